@@ -1,0 +1,32 @@
+# The two set-up commands of the README: `make demo` and `make test`. Both build .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The torch-free packages that mypy checks strictly.
+LIGHT := reval/config.py reval/rewards.py buffer
+
+.PHONY: demo test lint unit venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# CPU wheel first, so the range in pyproject.toml is already met and no CUDA build is pulled.
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/reval train
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy $(LIGHT)
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

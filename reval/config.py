@@ -1,0 +1,373 @@
+"""The run config tree: one pydantic model per part, validated once, handed to every part.
+
+Loaded from a TOML file (``configs/*.toml``) plus overrides: environment variables
+``REVAL__SECTION__FIELD=value`` and CLI ``--set section.field=value``. Every field has a docstring;
+unknown keys are errors, so a typo fails before any work starts with a message naming the field.
+This module imports no torch so the control plane and the buffer stay light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "REVAL__"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "demo.toml"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the offending field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class TinyModelConfig(_Section):
+    """Shape of the random-initialized Qwen2-style model used by tests and the demo."""
+
+    hidden_size: int = Field(64, ge=8)
+    """Width of the residual stream."""
+    num_layers: int = Field(2, ge=1)
+    """Number of decoder layers."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads per layer."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention); must divide ``num_heads``."""
+    intermediate_size: int = Field(128, ge=8)
+    """Width of the MLP."""
+    max_position_embeddings: int = Field(128, ge=16)
+    """Longest sequence the model accepts."""
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.tiny.hidden_size must be divisible by num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.tiny.num_heads must be divisible by num_kv_heads")
+        return self
+
+
+class ModelConfig(_Section):
+    """The policy model and its tokenizer."""
+
+    name_or_path: str | None = None
+    """A local checkpoint directory or a hub id loaded with ``from_pretrained``; ``None`` builds
+    the tiny random-initialized model and the project's own character tokenizer."""
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    """Shape of the tiny model (used only when ``name_or_path`` is ``None``)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype. fp32 on CPU (bf16 is ~3x slower there); bf16 on GPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the learner and the in-process generator run; ``auto`` picks cuda when present."""
+    pretrain_steps: int = Field(0, ge=0)
+    """Steps of next-token pretraining of the tiny model on task-shaped text before RL, so it
+    starts as a smooth language model of the answer format (not of the answers)."""
+    pretrain_lr: float = Field(3e-3, gt=0)
+    """Learning rate of that pretraining."""
+    pretrain_batch_size: int = Field(64, ge=1)
+    """Sequences per pretraining step."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory (large models)."""
+
+
+class TaskConfig(_Section):
+    """The prompts and the verifier that scores answers."""
+
+    kind: Literal["addition", "oneshot", "math"] = "addition"
+    """``addition``: every ``a+b=`` with single digits (100 prompts, answers 0..18), the model must
+    learn a function. ``oneshot``: a single prompt whose accepted answers are chosen so that the
+    initial policy succeeds with probability ``oneshot_base_success``. ``math``: a DeepScaleR-format
+    dataset (``problem``, ``answer``) graded on its last ``\\boxed{}``."""
+    max_operand: int = Field(9, ge=1, le=99)
+    """``addition``: operands run over 0..max_operand."""
+    oneshot_base_success: float = Field(0.4, gt=0, lt=1)
+    """``oneshot``: success rate of the initial policy (the paper's hard/medium/easy are about
+    0.10 / 0.40 / 0.68)."""
+    dataset: str | None = None
+    """``math``: a local JSONL/parquet file or a ``datasets`` hub name."""
+    split: str = "train"
+    """``math``: dataset split to read."""
+    template: Literal["plain", "r1_distill", "qwen_math"] = "plain"
+    """``math``: prompt template of the paper's appendix (through the tokenizer's chat template)."""
+    max_prompt_tokens: int = Field(1024, ge=1)
+    """Prompts longer than this are skipped (and counted)."""
+
+
+class RolloutConfig(_Section):
+    """Generation: how many answers per prompt and how they are sampled."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: HF transformers (CPU/GPU) or vLLM (GPU, optional extra)."""
+    prompts_per_round: int = Field(32, ge=1)
+    """Prompts sampled per generation round (the paper: 128)."""
+    n: int = Field(8, ge=1)
+    """Answers generated per prompt (the paper's N: 8, or 1)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (the paper: 1.0). The loss always uses temperature-1 logits."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Longest answer; a truncated answer is terminal and scored by the verifier."""
+
+
+class BufferConfig(_Section):
+    """The FIFO replay buffer."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    """``memory``: the embedded in-process ring (one-process runs). ``redis``: the replay service."""
+    capacity: int = Field(1280, ge=1)
+    """M: trajectories kept; the oldest is evicted on insert (the paper: 5120)."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis server of the replay service (backend ``redis``)."""
+    key_prefix: str = "reval"
+    """Prefix of every Redis key of this deployment; runs are isolated under it by run id."""
+
+
+class LearnerConfig(_Section):
+    """The optimizer and the update schedule."""
+
+    rounds: int = Field(100, ge=1)
+    """Generation rounds (the paper's iterations: 650)."""
+    updates_per_round: int = Field(2, ge=1)
+    """K: updates after each round, each on ``batch_size`` trajectories (the paper: 2)."""
+    batch_size: int | None = Field(None, ge=1)
+    """B: trajectories per update; ``None`` means one round's worth (prompts_per_round * n)."""
+    first_update_fresh: bool = True
+    """Whether the first of the K updates uses the round's fresh batch (the paper's appendix)
+    rather than a uniform sample from the buffer (its §4.3)."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Trajectories per forward/backward; gradients accumulate to the full-batch gradient."""
+    lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate (the paper: 1e-6)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global grad norm to this; steps with a non-finite norm are skipped."""
+    ref_reset_steps: int = Field(200, ge=0)
+    """Copy the policy into the reference every this many rounds (the paper: 200; 0 = never)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a checkpoint every this many rounds (0: only at the end)."""
+
+
+class AlgoConfig(_Section):
+    """The loss and the reward."""
+
+    name: Literal["reval", "tbrm", "regression", "grpo"] = "reval"
+    """Loss: ReVal, its baselines TBRM and the regression variant, or GRPO (on-policy, K=1)."""
+    beta: float = Field(0.02, gt=0)
+    """KL strength beta of the soft Bellman residual (paper: 0.002 for ~5K-token answers, 0.02
+    for ~600). The residual compares a *sum* of log-ratios with r/beta: scale with length."""
+    reward: Literal["binary", "group_mean", "plus_minus"] = "binary"
+    """Reward transform at collection time: 0/1, ``r - mean`` over the N answers of a prompt, or
+    ``2r - 1``."""
+    clip_low: float = Field(0.2, ge=0)
+    """GRPO: lower ratio clip (1 - clip_low)."""
+    clip_high: float = Field(0.28, ge=0)
+    """GRPO: upper ratio clip (1 + clip_high)."""
+    clip_ratio_c: float = Field(3.0, gt=1)
+    """GRPO: dual-clip bound for negative advantages."""
+    tis_cap: float = 2.0
+    """GRPO: cap C of the truncated importance weight min(exp(old - rollout), C); <= 0 is off."""
+
+
+class SyncConfig(_Section):
+    """Weight transport from the learner to the generators."""
+
+    every: int = Field(1, ge=1)
+    """Push weights after every this many updates."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: gloo on CPU, NCCL on GPU (``auto`` chooses)."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """Size of the packed buckets a broadcast sends; never one round trip per tensor."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Timeout of every collective; a dead worker never blocks the learner longer than this."""
+
+
+class MetricsConfig(_Section):
+    """What the run records."""
+
+    jsonl: bool = True
+    """Write one JSON line of metrics per round into ``metrics.jsonl`` in the run directory."""
+    plot: bool = True
+    """Draw the learning curve ``curve.png`` at the end of the run."""
+    progress: bool = True
+    """Show a progress bar (round, success rate, loss)."""
+    prometheus_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus metrics on this port (``None``: off)."""
+
+
+class EvalConfig(_Section):
+    """Periodic evaluation over all of the task's prompts."""
+
+    every: int = Field(10, ge=0)
+    """Evaluate every this many rounds (0: only before and after training)."""
+    samples_per_prompt: int = Field(4, ge=1)
+    """Answers sampled per prompt; the success rate is their mean (avg@n)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the evaluation."""
+    max_prompts: int = Field(512, ge=1)
+    """Evaluate at most this many prompts (a fixed-seed subset beyond that)."""
+
+
+class RunConfig(_Section):
+    """A whole run: every part reads its own section."""
+
+    name: str = "demo"
+    """Run name; the run directory is ``output_dir/name``."""
+    seed: int = 0
+    """Seed of every random choice: the same seed gives the same curve."""
+    output_dir: str = "runs"
+    """Where run directories go."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @property
+    def round_size(self) -> int:
+        """Trajectories generated per round."""
+        return self.rollout.prompts_per_round * self.rollout.n
+
+    @property
+    def batch_size(self) -> int:
+        """B: trajectories per update."""
+        return self.learner.batch_size or self.round_size
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.batch_size > self.buffer.capacity:
+            raise ValueError(
+                f"learner.batch_size ({self.batch_size}) exceeds buffer.capacity "
+                f"({self.buffer.capacity}): cannot sample without replacement"
+            )
+        if self.learner.first_update_fresh and self.batch_size > self.round_size:
+            raise ValueError(
+                f"learner.batch_size ({self.batch_size}) exceeds one round "
+                f"({self.round_size} = rollout.prompts_per_round * rollout.n) while "
+                "learner.first_update_fresh is set"
+            )
+        if self.algo.name == "grpo" and (
+            self.learner.updates_per_round != 1 or not self.learner.first_update_fresh
+        ):
+            raise ValueError(
+                "algo.name=grpo is on-policy: it needs learner.updates_per_round=1 and "
+                "learner.first_update_fresh=true (use --algo grpo, which sets both)"
+            )
+        if self.rollout.engine == "vllm" and self.model.device == "cpu":
+            raise ValueError("rollout.engine=vllm needs model.device cuda or auto")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _parse_value(text: str) -> Any:
+    """A CLI/env override value: JSON when it parses (numbers, booleans, null, lists), else str."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = [k for k in dotted.split(".") if k]
+    if not keys:
+        raise ConfigError(f"empty override key {dotted!r}")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``["learner.lr=1e-3", ...]`` -> a nested dict of overrides."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value")
+        _set_path(tree, key.strip(), _parse_value(value.strip()))
+    return tree
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Overrides from ``REVAL__SECTION__FIELD=value`` environment variables."""
+    environ = os.environ if environ is None else environ
+    tree: dict[str, Any] = {}
+    for name, value in environ.items():
+        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
+            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+            _set_path(tree, dotted, _parse_value(value))
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "<config>"
+        lines.append(f"  {where}: {e['msg']}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def build_config(data: Mapping[str, Any]) -> RunConfig:
+    """Validate a nested mapping into a RunConfig, raising ConfigError naming the fields."""
+    try:
+        return RunConfig.model_validate(dict(data))
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> RunConfig:
+    """Load TOML ``path`` (default: the demo preset), then env overrides, then ``--set`` ones."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data: dict[str, Any] = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    data = _merge(data, env_overrides(environ))
+    data = _merge(data, parse_overrides(overrides))
+    return build_config(data)
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved config (every field, defaults included) as JSON."""
+    Path(path).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")

@@ -1,0 +1,121 @@
+"""The policy model and tokenizer factory.
+
+Real checkpoints (a local directory or a hub id) load through the ordinary ``from_pretrained``
+path. With no checkpoint, a tiny random-initialized Qwen2-style model is built from the config,
+with a character-level tokenizer that the project builds itself (no download anywhere).
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from reval.config import ModelConfig, TinyModelConfig
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# Every printable ASCII character is one token; enough for the built-in tasks and for boxed math.
+CHARSET = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ids 0..2 are pad/eos/unk, then one id per character."""
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for ch in CHARSET:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK
+    )
+    fast.padding_side = "left"
+    return fast
+
+
+def build_tiny_model(
+    shape: TinyModelConfig, vocab_size: int, pad_id: int, eos_id: int, seed: int
+) -> Qwen2ForCausalLM:
+    """A random-initialized Qwen2 causal LM of the given shape (deterministic in ``seed``)."""
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Qwen2ForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(state)
+    return model
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is available")
+    return torch.device(choice)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Policy:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)  # type: ignore[arg-type]
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)  # type: ignore[arg-type]
+
+
+def load_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
+    """Build or load the policy model and its tokenizer on the configured device."""
+    device = resolve_device(cfg.device)
+    dtype = _DTYPES[cfg.dtype]
+    if cfg.name_or_path is None:
+        tokenizer: PreTrainedTokenizerBase = build_char_tokenizer()
+        model: PreTrainedModel = build_tiny_model(
+            cfg.tiny,
+            vocab_size=len(tokenizer),
+            pad_id=int(tokenizer.pad_token_id),  # type: ignore[arg-type]
+            eos_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
+            seed=seed,
+        )
+        model = model.to(dtype=dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=dtype)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.to(device)
+    return Policy(model=model, tokenizer=tokenizer, device=device)
