@@ -249,9 +249,9 @@ def grpo_reference(logp, old, adv, m, cl, ch, c):
     total, n = 0.0, 0.0
     for b in range(len(logp)):
         for t in range(len(logp[0])):
-            if m[b, t] == 0:
+            if m[b][t] == 0:
                 continue
-            ratio = math.exp(max(-20.0, min(20.0, logp[b, t] - old[b, t])))
+            ratio = math.exp(max(-20.0, min(20.0, logp[b][t] - old[b][t])))
             a = adv[b]
             loss = max(-a * ratio, -a * min(max(ratio, 1 - cl), 1 + ch))
             if a < 0:

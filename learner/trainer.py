@@ -1,0 +1,118 @@
+"""The learner: one update = the configured loss over B trajectories in micro-batches, AdamW,
+grad clip with the pre-clip norm logged, non-finite steps skipped."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from buffer.records import Trajectory
+from learner.losses import LossOutput, grpo_advantages, grpo_loss, value_loss
+from learner.reference import ReferencePolicy
+from learner.sequence import collate, policy_stats
+from reval.config import AlgoConfig, LearnerConfig
+
+
+@dataclass
+class UpdateResult:
+    metrics: dict[str, float]
+    delta: torch.Tensor
+    """[B] per-trajectory residual (priorities for prioritized replay)."""
+    skipped: bool = False
+
+
+@dataclass
+class Learner:
+    model: nn.Module
+    learner_cfg: LearnerConfig
+    algo: AlgoConfig
+    pad_id: int
+    eos_id: int
+    device: torch.device
+    step: int = 0
+    """Optimizer steps taken (skipped ones excluded)."""
+    skipped_steps: int = 0
+    reference: ReferencePolicy = field(init=False)
+    optimizer: torch.optim.Optimizer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model.train()
+        self.reference = ReferencePolicy(
+            self.model, self.pad_id, self.eos_id, self.learner_cfg.micro_batch_size
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.learner_cfg.lr,
+            betas=self.learner_cfg.adam_betas,
+            weight_decay=self.learner_cfg.weight_decay,
+        )
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.algo.name != "grpo"
+
+    def reset_reference(self) -> None:
+        self.reference.reset(self.model)
+
+    def update(self, trajectories: Sequence[Trajectory]) -> UpdateResult:
+        """One optimizer step on ``trajectories`` (the mini-batch)."""
+        if not trajectories:
+            raise ValueError("update needs at least one trajectory")
+        if self.uses_reference:
+            self.reference.fill(trajectories, self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        bsz = len(trajectories)
+        mbs = self.learner_cfg.micro_batch_size
+        chunks = [trajectories[i : i + mbs] for i in range(0, bsz, mbs)]
+        advantages = None
+        denom: float = float(bsz)
+        if self.algo.name == "grpo":
+            raw = torch.tensor([t.reward_raw for t in trajectories])
+            advantages = grpo_advantages(raw, [t.group_id for t in trajectories])
+            denom = float(sum(
+                float(collate(c, self.pad_id, self.eos_id).mask.sum()) for c in chunks
+            ))  # fmt: skip
+        totals: dict[str, float] = {}
+        loss_total = 0.0
+        deltas = []
+        offset = 0
+        for chunk in chunks:
+            batch = collate(chunk, self.pad_id, self.eos_id).to(self.device)
+            stats = policy_stats(self.model, batch)
+            out: LossOutput
+            if advantages is None:
+                slp_ref = torch.tensor([t.ref_logprob_sum for t in chunk], device=self.device)
+                v1_ref = torch.tensor([t.ref_value for t in chunk], device=self.device)
+                out = value_loss(
+                    self.algo.name,  # type: ignore[arg-type]
+                    stats.slp, stats.v1, slp_ref, v1_ref, batch.reward, self.algo.beta, denom,
+                )  # fmt: skip
+            else:
+                adv = advantages[offset : offset + len(chunk)].to(self.device)
+                out = grpo_loss(
+                    stats.logp, stats.logp.detach(), adv, batch.mask,
+                    clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
+                    clip_ratio_c=self.algo.clip_ratio_c, rollout_logp=batch.rollout_logp,
+                    tis_cap=self.algo.tis_cap, denom=denom,
+                )  # fmt: skip
+            out.loss.backward()
+            loss_total += float(out.loss.item())
+            for k, v in out.metrics.items():
+                totals[k] = totals.get(k, 0.0) + v * len(chunk) / bsz
+            deltas.append(out.delta.cpu())
+            offset += len(chunk)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.learner_cfg.grad_clip))
+        skipped = not math.isfinite(norm)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            self.step += 1
+        metrics = {"loss": loss_total, "grad_norm": norm, "skipped": float(skipped), **totals}
+        return UpdateResult(metrics=metrics, delta=torch.cat(deltas), skipped=skipped)

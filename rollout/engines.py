@@ -1,0 +1,176 @@
+"""Generation engines: a protocol, and the HF transformers engine (CPU and GPU).
+
+An engine samples N answers per prompt and returns, per answer, the token ids, the behaviour
+log-prob of every sampled token under the distribution it was drawn from (temperature and top-p
+applied) and the finish reason. ``load_weights`` replaces the weights in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from buffer.records import FinishReason
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Answers per prompt."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+
+
+@dataclass
+class Sample:
+    token_ids: np.ndarray
+    """[T] int32; ends with EOS when ``finish_reason == "stop"``."""
+    logprobs: np.ndarray
+    """[T] float32 behaviour log-probs."""
+    finish_reason: FinishReason
+
+
+class GenerationEngine(Protocol):
+    policy_version: int
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    ) -> list[list[Sample]]:
+        """For each prompt (token ids), ``params.n`` samples."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy new weights in place and set the policy version."""
+        ...
+
+
+def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
+    """Set to -inf every token outside the smallest set whose probability reaches ``top_p``
+    (the most likely token always stays)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+class HFEngine:
+    """Batched sampling with a KV cache over any HF causal LM."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pad_id: int,
+        eos_id: int,
+        device: torch.device | str = "cpu",
+        max_batch: int = 1024,
+    ) -> None:
+        self.model = model
+        self.pad_id = pad_id
+        self.eos_id = eos_id
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.policy_version = 0
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"load_weights: the model has no tensor named {name!r}")
+            dst = params[name]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")  # fmt: skip
+            dst.copy_(tensor.to(dst.device, dst.dtype))
+        self.policy_version = version
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    ) -> list[list[Sample]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        flat = [list(p) for p in prompts for _ in range(params.n)]
+        samples: list[Sample] = []
+        for start in range(0, len(flat), self.max_batch):
+            samples.extend(self._generate_batch(flat[start : start + self.max_batch], params, gen))
+        return [samples[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    def _generate_batch(
+        self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator
+    ) -> list[Sample]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._sample(rows, params, gen)
+        finally:
+            self.model.train(was_training)
+
+    def _sample(
+        self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator
+    ) -> list[Sample]:
+        bsz, width = len(rows), max(len(r) for r in rows)
+        ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((bsz, width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            attn[i, width - len(r) :] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
+        )
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :]
+        next_pos = pos[:, -1:] + 1
+        tokens = torch.full((bsz, params.max_new_tokens), self.pad_id, dtype=torch.long)
+        logps = torch.zeros((bsz, params.max_new_tokens), dtype=torch.float32)
+        lengths = torch.zeros(bsz, dtype=torch.long)
+        done = torch.zeros(bsz, dtype=torch.bool, device=self.device)
+        for step in range(params.max_new_tokens):
+            scaled = top_p_filter(logits.float() / params.temperature, params.top_p)
+            logp_all = scaled.log_softmax(-1)
+            choice = torch.multinomial(logp_all.exp(), 1, generator=gen)  # [bsz, 1]
+            chosen_logp = logp_all.gather(-1, choice)[:, 0]
+            choice = choice[:, 0]
+            live = ~done
+            tokens[:, step] = torch.where(live, choice, self.pad_id).cpu()
+            logps[:, step] = torch.where(live, chosen_logp, 0.0).cpu()
+            lengths += live.long().cpu()
+            done = done | (choice == self.eos_id)
+            if bool(done.all()) or step == params.max_new_tokens - 1:
+                break
+            attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=self.device)], 1)
+            out = self.model(
+                input_ids=choice[:, None],
+                attention_mask=attn,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+        result = []
+        done_cpu = done.cpu()
+        for i in range(bsz):
+            n = int(lengths[i])
+            result.append(
+                Sample(
+                    token_ids=tokens[i, :n].numpy().astype(np.int32),
+                    logprobs=logps[i, :n].numpy().astype(np.float32),
+                    finish_reason="stop" if bool(done_cpu[i]) else "length",
+                )
+            )
+        return result

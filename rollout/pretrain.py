@@ -1,0 +1,46 @@
+"""A short next-token pretraining of the tiny model on task-shaped text.
+
+It makes the random model a smooth language model of the answer *format* (prompt, a few answer
+characters, EOS) without teaching it which answer is right, so RL starts from near chance.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import nn
+
+from reval.policy import Policy
+from rollout.tasks import Task
+
+
+def pretrain(policy: Policy, task: Task, steps: int, lr: float, batch_size: int, seed: int) -> float:
+    """Train ``steps`` AdamW steps of next-token loss on ``task.pretrain_texts``; returns the
+    final loss. Deterministic in ``seed``."""
+    if steps <= 0:
+        return float("nan")
+    rng = random.Random(seed)
+    tok = policy.tokenizer
+    model: nn.Module = policy.model
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    loss_value = float("nan")
+    for _ in range(steps):
+        texts = task.pretrain_texts(rng, batch_size)
+        rows = [tok(t, add_special_tokens=False).input_ids + [policy.eos_id] for t in texts]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), policy.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # right-padded: positions start at 0 for every row
+            ids[i, : len(r)] = torch.tensor(r)
+            labels[i, : len(r)] = torch.tensor(r)
+            attn[i, : len(r)] = 1
+        ids, labels, attn = ids.to(policy.device), labels.to(policy.device), attn.to(policy.device)
+        out = model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+        loss_value = float(out.loss.item())
+    return loss_value

@@ -1,0 +1,163 @@
+"""Built-in verifiable tasks: prompts, a verifier each, and task-shaped pretraining text.
+
+- ``addition``: every ``a+b=`` with operands 0..max_operand. Many prompts, one function to learn.
+- ``oneshot``: a single prompt answered with a two-digit code; the accepted codes are chosen
+  against the initial policy so that it succeeds with a set probability (the paper's one-shot
+  hard/medium/easy problems have base success of about 0.10 / 0.40 / 0.68).
+
+A verifier maps (prompt, response text) to a reward in [0, 1]. The math verifier for real data
+implements the same protocol.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from reval.config import TaskConfig
+from reval.policy import Policy
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    """Stable id within the task."""
+    text: str
+    """What the model is conditioned on."""
+    answer: str
+    """Gold answer, as the verifier reads it."""
+
+
+class Verifier(Protocol):
+    def score(self, prompt: Prompt, response: str) -> float:
+        """Reward of ``response`` to ``prompt``: 1.0 correct, 0.0 not."""
+        ...
+
+
+class Task(Protocol):
+    name: str
+    prompts: Sequence[Prompt]
+    verifier: Verifier
+
+    def pretrain_texts(self, rng: random.Random, count: int) -> list[str]:
+        """Task-shaped text (prompt + a plausible but random answer) for LM pretraining."""
+        ...
+
+
+class ExactMatch:
+    """Reward 1 when the stripped response equals the gold answer."""
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        return 1.0 if response.strip() == prompt.answer else 0.0
+
+
+@dataclass
+class AdditionTask:
+    max_operand: int = 9
+    name: str = "addition"
+    verifier: Verifier = field(default_factory=ExactMatch)
+    prompts: list[Prompt] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = self.max_operand + 1
+        self.prompts = [
+            Prompt(id=f"{a}+{b}", text=f"{a}+{b}=", answer=str(a + b))
+            for a in range(n)
+            for b in range(n)
+        ]
+
+    def pretrain_texts(self, rng: random.Random, count: int) -> list[str]:
+        # Right format, answer drawn uniformly from the answer range: the pretrained model knows
+        # how an answer looks, not which one is right (chance success ~ 1 / (2 * max + 1)).
+        top = 2 * self.max_operand
+        out = []
+        for _ in range(count):
+            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+            out.append(f"{a}+{b}={rng.randint(0, top)}")
+        return out
+
+
+class AcceptSet:
+    """Reward 1 when the stripped response is one of the accepted codes."""
+
+    def __init__(self, accepted: Sequence[str]) -> None:
+        self.accepted = frozenset(accepted)
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        return 1.0 if response.strip() in self.accepted else 0.0
+
+
+ONESHOT_CODES = [f"{i:02d}" for i in range(100)]
+
+
+@dataclass
+class OneShotTask:
+    """One prompt; success probability of the initial policy set by ``base_success``."""
+
+    base_success: float = 0.4
+    seed: int = 0
+    name: str = "oneshot"
+    prompts: list[Prompt] = field(init=False)
+    verifier: AcceptSet = field(init=False)
+    order: list[str] = field(init=False)
+    achieved_base_success: float | None = None
+
+    def __post_init__(self) -> None:
+        self.order = list(ONESHOT_CODES)
+        random.Random(self.seed).shuffle(self.order)
+        self.prompts = [Prompt(id="oneshot", text="code:", answer="")]
+        # Before calibration assume a uniform policy over the 100 codes.
+        self.verifier = AcceptSet(self.order[: max(1, round(self.base_success * 100))])
+
+    def pretrain_texts(self, rng: random.Random, count: int) -> list[str]:
+        return [f"code:{rng.choice(ONESHOT_CODES)}" for _ in range(count)]
+
+    def calibrate(self, policy: Policy) -> float:
+        """Choose the accepted codes so the policy's exact probability of answering one of them
+        (code then EOS) is as close as possible to ``base_success``; returns that probability."""
+        probs = code_probabilities(policy, self.prompts[0].text, ONESHOT_CODES)
+        accepted: list[str] = []
+        total = 0.0
+        for code in self.order:
+            p = probs[code]
+            if abs(total + p - self.base_success) < abs(total - self.base_success) or not accepted:
+                accepted.append(code)
+                total += p
+            if total >= self.base_success:
+                break
+        self.verifier = AcceptSet(accepted)
+        self.achieved_base_success = total
+        return total
+
+
+@torch.no_grad()
+def code_probabilities(policy: Policy, prompt: str, codes: Sequence[str]) -> dict[str, float]:
+    """Exact probability of each completion ``code + EOS`` under the policy (teacher forcing)."""
+    tok = policy.tokenizer
+    p_ids = tok(prompt, add_special_tokens=False).input_ids
+    rows = [p_ids + tok(c, add_special_tokens=False).input_ids + [policy.eos_id] for c in codes]
+    width = max(len(r) for r in rows)
+    if any(len(r) != width for r in rows):
+        raise ValueError("codes must tokenize to the same length")
+    ids = torch.tensor(rows, device=policy.device)
+    logits = policy.model(input_ids=ids, use_cache=False).logits.float()
+    logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    resp = logp[:, len(p_ids) - 1 :].sum(-1).exp()
+    return {c: float(p) for c, p in zip(codes, resp.tolist(), strict=True)}
+
+
+def build_task(cfg: TaskConfig, seed: int = 0) -> Task:
+    """The task the config names."""
+    if cfg.kind == "addition":
+        return AdditionTask(max_operand=cfg.max_operand)
+    if cfg.kind == "oneshot":
+        return OneShotTask(base_success=cfg.oneshot_base_success, seed=seed)
+    if cfg.kind == "math":
+        from rollout.math_task import MathTask
+
+        return MathTask.from_config(cfg)
+    raise ValueError(f"unknown task kind {cfg.kind!r}")

@@ -1,0 +1,56 @@
+"""The ``reval`` command line. Thin: parse, build the config, hand off."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from reval.config import ConfigError, load_config
+
+ALGO_OVERRIDES = {
+    "reval": ["algo.name=reval"],
+    "tbrm": ["algo.name=tbrm"],
+    "regression": ["algo.name=regression"],
+    # GRPO is on-policy: one update per round on the fresh batch, no reuse.
+    "grpo": ["algo.name=grpo", "learner.updates_per_round=1", "learner.first_update_fresh=true"],
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reval", description="ReVal: off-policy RL post-training")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run the whole ReVal loop in one process")
+    t.add_argument("--config", help="TOML config (default: configs/demo.toml)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set learner.lr=1e-3 (repeatable)")  # fmt: skip
+    t.add_argument("--algo", choices=sorted(ALGO_OVERRIDES), help="loss (baselines: grpo, tbrm)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    overrides = list(ALGO_OVERRIDES.get(args.algo, [])) + list(args.overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as err:
+        print(f"reval: {err}", file=sys.stderr)
+        return 2
+    if args.no_progress:
+        cfg.metrics.progress = False
+    # Heavy imports (torch, transformers) only after the config is known to be good.
+    from services.progress import run_with_progress
+
+    result = run_with_progress(cfg)
+    print(
+        f"success rate {result.initial_success:.3f} -> {result.final_success:.3f}; "
+        f"run directory {result.run_dir} (metrics.jsonl, curve.png, final/)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
