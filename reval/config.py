@@ -104,8 +104,9 @@ class TaskConfig(_Section):
 class RolloutConfig(_Section):
     """Generation: how many answers per prompt and how they are sampled."""
 
-    engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine: HF transformers (CPU/GPU) or vLLM (GPU, optional extra)."""
+    engine: Literal["hf"] = "hf"
+    """Generation engine: HF transformers (CPU and GPU). The vLLM engine (GPU, the ``gpu`` extra)
+    joins this choice with the rollout-worker service."""
     prompts_per_round: int = Field(32, ge=1)
     """Prompts sampled per generation round (the paper: 128)."""
     n: int = Field(8, ge=1)
@@ -121,14 +122,11 @@ class RolloutConfig(_Section):
 class BufferConfig(_Section):
     """The FIFO replay buffer."""
 
-    backend: Literal["memory", "redis"] = "memory"
-    """``memory``: the embedded in-process ring (one-process runs). ``redis``: the replay service."""
+    backend: Literal["memory"] = "memory"
+    """``memory``: the embedded in-process ring (one-process runs). The Redis replay service
+    joins this choice with its own issue."""
     capacity: int = Field(1280, ge=1)
     """M: trajectories kept; the oldest is evicted on insert (the paper: 5120)."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis server of the replay service (backend ``redis``)."""
-    key_prefix: str = "reval"
-    """Prefix of every Redis key of this deployment; runs are isolated under it by run id."""
 
 
 class LearnerConfig(_Section):
@@ -272,8 +270,6 @@ class RunConfig(_Section):
                 "algo.name=grpo is on-policy: it needs learner.updates_per_round=1 and "
                 "learner.first_update_fresh=true (use --algo grpo, which sets both)"
             )
-        if self.rollout.engine == "vllm" and self.model.device == "cpu":
-            raise ValueError("rollout.engine=vllm needs model.device cuda or auto")
         return self
 
 

@@ -150,7 +150,7 @@ def code_probabilities(policy: Policy, prompt: str, codes: Sequence[str]) -> dic
     return {c: float(p) for c, p in zip(codes, resp.tolist(), strict=True)}
 
 
-def build_task(cfg: TaskConfig, seed: int = 0) -> Task:
+def build_task(cfg: TaskConfig, seed: int = 0, tokenizer: object | None = None) -> Task:
     """The task the config names."""
     if cfg.kind == "addition":
         return AdditionTask(max_operand=cfg.max_operand)
@@ -159,5 +159,5 @@ def build_task(cfg: TaskConfig, seed: int = 0) -> Task:
     if cfg.kind == "math":
         from rollout.math_task import MathTask
 
-        return MathTask.from_config(cfg)
+        return MathTask.from_config(cfg, tokenizer)
     raise ValueError(f"unknown task kind {cfg.kind!r}")

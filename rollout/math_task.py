@@ -1,0 +1,180 @@
+"""Math prompts in the DeepScaleR format (``problem``, ``answer``, optional ``solution``) with the
+paper's prompt templates, graded on the last ``\\boxed{}`` of the answer.
+
+The loader is the real one: a local JSONL or parquet file, or a dataset name through the
+``datasets`` library. The verifier here compares normalized boxed strings; the process-pool
+math-verify grader of the rollout issue implements the same ``Verifier`` protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reval.config import TaskConfig
+from rollout.tasks import Prompt, Verifier
+
+log = logging.getLogger("reval.math")
+
+USER_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (brace-matched), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+_SPACES = re.compile(r"\s+")
+
+
+def normalize_answer(ans: str) -> str:
+    s = _SPACES.sub("", ans)
+    for a, b in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""),
+                 ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", ""), ("$", ""), ("\\!", "")):  # fmt: skip
+        s = s.replace(a, b)
+    s = s.rstrip(".")
+    if re.fullmatch(r"-?\d+\.0+", s):
+        s = s.split(".")[0]
+    return s
+
+
+@dataclass
+class BoxedMatch:
+    """Reward 1 when the last boxed answer equals the gold one after normalization. With
+    ``require_think`` (thinking models, DeepScaleR's rule) a response without ``</think>`` scores 0
+    and only the text after the first ``</think>`` is graded."""
+
+    require_think: bool = False
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        if self.require_think:
+            head, sep, tail = response.partition("</think>")
+            if not sep:
+                return 0.0
+            response = tail
+        pred = last_boxed(response)
+        if pred is None:
+            return 0.0
+        return 1.0 if normalize_answer(pred) == normalize_answer(prompt.answer) else 0.0
+
+
+def read_rows(source: str, split: str = "train") -> Iterable[Mapping[str, Any]]:
+    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file or a ``datasets`` name."""
+    path = Path(source)
+    if path.suffix == ".jsonl" and path.is_file():
+        with path.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as err:
+                    log.warning("%s:%d: skipped, not JSON (%s)", source, n, err)
+                    yield {}
+        return
+    if path.suffix == ".json" and path.is_file():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        yield from data if isinstance(data, list) else []
+        return
+    if path.suffix == ".parquet" and path.is_file():
+        import pyarrow.parquet as pq  # optional; installed with `datasets`
+
+        yield from pq.read_table(path).to_pylist()
+        return
+    try:
+        import datasets  # optional dependency for hub datasets
+    except ImportError as err:
+        raise RuntimeError(
+            f"task.dataset={source!r} is not a local .jsonl/.json/.parquet file and the "
+            "`datasets` package is not installed to load it by name"
+        ) from err
+    yield from datasets.load_dataset(source, split=split)
+
+
+def format_prompt(problem: str, template: str, tokenizer: Any | None) -> str:
+    """The paper's templates (App. F) through the tokenizer's chat template when it has one."""
+    user = problem + USER_SUFFIX
+    if template == "plain" or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return user if template != "plain" else problem
+    messages = [{"role": "user", "content": user}]
+    if template == "qwen_math":
+        messages.insert(0, {"role": "system", "content": QWEN_MATH_SYSTEM})
+    text: str = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if template == "r1_distill" and not text.rstrip().endswith("<think>"):
+        text += "<think>\n"
+    return text
+
+
+@dataclass
+class MathTask:
+    prompts: list[Prompt]
+    verifier: Verifier
+    name: str = "math"
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Iterable[Mapping[str, Any]],
+        template: str = "plain",
+        tokenizer: Any | None = None,
+        max_prompt_chars: int | None = None,
+    ) -> MathTask:
+        """Bad rows (missing fields, empty problem, over-long prompt) are skipped and counted."""
+        prompts: list[Prompt] = []
+        skipped: dict[str, int] = {}
+        for i, row in enumerate(rows):
+            problem, answer = row.get("problem"), row.get("answer")
+            reason = None
+            if not isinstance(problem, str) or not isinstance(answer, str | int | float):
+                reason = "missing_field"
+            elif not problem.strip():
+                reason = "empty_problem"
+            else:
+                text = format_prompt(problem, template, tokenizer)
+                if max_prompt_chars is not None and len(text) > max_prompt_chars:
+                    reason = "too_long"
+                else:
+                    prompts.append(Prompt(id=str(row.get("id", i)), text=text, answer=str(answer)))
+            if reason:
+                skipped[reason] = skipped.get(reason, 0) + 1
+        if not prompts:
+            raise ValueError(f"no usable rows (skipped: {skipped})")
+        if skipped:
+            log.warning("skipped rows: %s", skipped)
+        return cls(prompts=prompts, verifier=BoxedMatch(template == "r1_distill"), skipped=skipped)
+
+    @classmethod
+    def from_config(cls, cfg: TaskConfig, tokenizer: Any | None = None) -> MathTask:
+        if not cfg.dataset:
+            raise ValueError("task.kind=math needs task.dataset (a file or a dataset name)")
+        # Characters bound tokens from above for any tokenizer; the exact token limit is applied
+        # by the generator against the model's tokenizer.
+        return cls.from_rows(
+            read_rows(cfg.dataset, cfg.split), cfg.template, tokenizer, cfg.max_prompt_tokens * 8
+        )
+
+    def pretrain_texts(self, rng: Any, count: int) -> list[str]:
+        return [
+            f"{p.text} \\boxed{{{p.answer}}}" for p in rng.sample(self.prompts, min(count, len(self.prompts)))
+        ]

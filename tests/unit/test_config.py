@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reval.config import (
+    CONFIG_DIR,
+    ConfigError,
+    RunConfig,
+    build_config,
+    dump_config,
+    env_overrides,
+    load_config,
+    parse_overrides,
+)
+
+
+def test_defaults_and_demo_preset_are_valid():
+    cfg = load_config()
+    assert cfg.name == "demo"
+    assert cfg.task.kind == "addition"
+    assert cfg.batch_size == cfg.rollout.prompts_per_round * cfg.rollout.n
+
+
+@pytest.mark.parametrize(
+    ("name", "beta"), [("r1_distill_qwen_1p5b.toml", 0.002), ("qwen25_math_7b.toml", 0.02)]
+)
+def test_paper_presets(name, beta):
+    cfg = load_config(CONFIG_DIR / name, environ={})
+    assert cfg.algo.beta == beta
+    assert cfg.buffer.capacity == 5120
+    assert cfg.batch_size == 1024 == cfg.rollout.prompts_per_round * cfg.rollout.n
+    assert cfg.learner.updates_per_round == 2
+    assert cfg.learner.lr == 1e-6
+    assert cfg.learner.ref_reset_steps == 200
+    assert cfg.rollout.max_new_tokens == 8192
+    assert cfg.model.name_or_path
+
+
+def test_cli_and_env_overrides_apply_in_order():
+    cfg = load_config(
+        overrides=["learner.lr=0.5", "algo.name=tbrm", "learner.adam_betas=[0.8, 0.9]"],
+        environ={"REVAL__LEARNER__LR": "0.25", "REVAL__SEED": "17", "OTHER": "x"},
+    )
+    assert cfg.learner.lr == 0.5  # --set beats the environment
+    assert cfg.seed == 17
+    assert cfg.algo.name == "tbrm"
+    assert cfg.learner.adam_betas == (0.8, 0.9)
+    assert env_overrides({"REVAL__A__B_C": "1"}) == {"a": {"b_c": 1}}
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("learner.lrr=1", "learner.lrr"),
+        ("learner.lr=-1", "learner.lr"),
+        ("algo.name=ppo", "algo.name"),
+        ("rollout.n=zero", "rollout.n"),
+        ("model.tiny.num_heads=3", "model.tiny"),
+        ("nosuchsection.x=1", "nosuchsection"),
+    ],
+)
+def test_invalid_values_name_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override], environ={})
+    assert field in str(err.value)
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="capacity"):
+        build_config({"buffer": {"capacity": 10}})
+    with pytest.raises(ConfigError, match="on-policy"):
+        build_config({"algo": {"name": "grpo"}})  # K=2 by default
+    ok = build_config(
+        {"algo": {"name": "grpo"}, "learner": {"updates_per_round": 1, "first_update_fresh": True}}
+    )
+    assert ok.algo.name == "grpo"
+    with pytest.raises(ConfigError, match="first_update_fresh"):
+        build_config({"learner": {"batch_size": 1000}, "buffer": {"capacity": 2000}})
+
+
+def test_malformed_overrides_and_files(tmp_path: Path):
+    with pytest.raises(ConfigError, match="section.field=value"):
+        parse_overrides(["learner.lr"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner\nlr = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_resolved_dump_round_trips(tmp_path: Path):
+    cfg = load_config(overrides=["learner.rounds=3", "algo.beta=0.5"], environ={})
+    dump_config(cfg, tmp_path / "config.json")
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert data["learner"]["rounds"] == 3
+    assert "micro_batch_size" in data["learner"]  # defaults are written out too
+    assert RunConfig.model_validate(data) == cfg
+
+
+def test_config_module_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, reval.config, buffer.records, reval.rewards; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
