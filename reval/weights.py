@@ -1,0 +1,115 @@
+"""Weight transport, the part both halves share: named tensors packed into flat byte buckets.
+
+A sender packs ``model.named_parameters()`` into buckets of about ``bucket_bytes`` (mixed dtypes
+in one flat uint8 tensor, each tensor at an aligned offset) with a typed, versioned header; a
+receiver unpacks each bucket into views and loads them in place. One collective per bucket, never
+one round trip per tensor: the broadcast itself (gloo on CPU, NCCL on GPU) is the learner
+service's, over exactly these buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import msgpack
+import torch
+from torch import Tensor
+
+HEADER_VERSION = 1
+ALIGN = 64  # bytes; keeps every view aligned for any dtype and for vectorized copies
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset in the bucket."""
+    nbytes: int
+
+
+@dataclass
+class Bucket:
+    metas: list[TensorMeta]
+    data: Tensor
+    """Flat uint8 tensor holding every tensor's bytes."""
+    version: int = 0
+    """Policy version these weights belong to."""
+
+    def header(self) -> bytes:
+        """The typed metadata that precedes the data on the wire (msgpack)."""
+        return msgpack.packb({
+            "v": HEADER_VERSION,
+            "version": self.version,
+            "nbytes": int(self.data.numel()),
+            "tensors": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in self.metas],
+        })  # fmt: skip
+
+    @staticmethod
+    def metas_from_header(raw: bytes) -> tuple[int, int, list[TensorMeta]]:
+        """(policy version, data bytes, tensor metas) from a header; ValueError if malformed."""
+        try:
+            obj = msgpack.unpackb(raw)
+            if obj["v"] != HEADER_VERSION:
+                raise ValueError(f"weight header version {obj['v']!r} != {HEADER_VERSION}")
+            metas = [TensorMeta(n, d, tuple(s), o, b) for n, d, s, o, b in obj["tensors"]]
+            version, nbytes = int(obj["version"]), int(obj["nbytes"])
+        except (KeyError, TypeError, ValueError, msgpack.UnpackException) as err:
+            raise ValueError(f"malformed weight header: {err}") from None
+        for m in metas:
+            if m.dtype not in _DTYPES or m.offset < 0 or m.offset + m.nbytes > nbytes:
+                raise ValueError(f"malformed weight header entry for {m.name!r}")
+        return version, nbytes, metas
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int, version: int = 0
+) -> Iterator[Bucket]:
+    """Group tensors into buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be > 0")
+    pending: list[tuple[str, Tensor]] = []
+    size = 0
+
+    def flush() -> Bucket:
+        metas, offset = [], 0
+        for name, t in pending:
+            metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                    offset, t.numel() * t.element_size()))  # fmt: skip
+            offset = _align(offset + metas[-1].nbytes)
+        data = torch.empty(offset, dtype=torch.uint8, device=pending[0][1].device)
+        for (_, t), m in zip(pending, metas, strict=True):
+            data[m.offset : m.offset + m.nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+        return Bucket(metas, data, version)
+
+    for name, tensor in named_tensors:
+        if str(tensor.dtype).removeprefix("torch.") not in _DTYPES:
+            raise TypeError(f"{name}: dtype {tensor.dtype} cannot be packed")
+        nbytes = _align(tensor.numel() * tensor.element_size())
+        if pending and size + nbytes > bucket_bytes:
+            yield flush()
+            pending, size = [], 0
+        pending.append((name, tensor))
+        size += nbytes
+    if pending:
+        yield flush()
+
+
+def unpack_bucket(bucket: Bucket) -> list[tuple[str, Tensor]]:
+    """Views into the bucket's data, one per tensor (no copy)."""
+    out = []
+    for m in bucket.metas:
+        raw = bucket.data[m.offset : m.offset + m.nbytes]
+        out.append((m.name, raw.view(_DTYPES[m.dtype]).view(m.shape)))
+    return out

@@ -1,0 +1,121 @@
+"""`reval train` end to end in one process: learning, determinism, artifacts, metrics, CLI."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from reval.config import load_config
+from reval.metrics import read_jsonl
+from services.train import train
+
+ONESHOT = [
+    "task.kind=oneshot",
+    "task.oneshot_base_success=0.4",
+    "model.pretrain_steps=60",
+    "rollout.prompts_per_round=4",
+    "rollout.n=8",
+    "rollout.max_new_tokens=3",
+    "buffer.capacity=256",
+    "learner.rounds=15",
+    "learner.lr=3e-3",
+    "learner.ref_reset_steps=5",
+    "algo.beta=0.2",
+    "eval.every=5",
+    "eval.samples_per_prompt=64",
+    "metrics.progress=false",
+]
+
+
+def cfg_for(tmp_path: Path, *extra: str, name: str = "t"):
+    return load_config(
+        overrides=[*ONESHOT, f"output_dir={tmp_path}", f"name={name}", *extra], environ={}
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def strip_timing(rows):
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rows]
+
+
+def test_reval_learns_oneshot_and_writes_artifacts(tmp_path):
+    port = free_port()
+    cfg = cfg_for(tmp_path, f"metrics.prometheus_port={port}")
+    res = train(cfg)
+    assert res.history[0]["oneshot_base_success"] == pytest.approx(0.4, abs=0.03)
+    assert res.initial_success < 0.6
+    assert res.final_success > res.initial_success + 0.3, res.history
+    run = res.run_dir
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["round"] for r in rows] == list(range(16))
+    assert rows[-1]["policy_version"] == 30  # K=2 updates per round
+    assert rows[-1]["ref_version"] == 3  # reset every 5 rounds
+    assert rows[-1]["use_count_mean"] > 1.0  # trajectories are reused
+    assert (run / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((run / "config.json").read_text())["learner"]["rounds"] == 15
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    assert model.config.vocab_size == len(tok)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "reval_train_round 15.0" in body
+    assert "reval_learner_updates_total 30.0" in body
+
+
+def test_same_seed_same_curve(tmp_path):
+    a = train(cfg_for(tmp_path, "learner.rounds=4", "metrics.plot=false", name="a"))
+    b = train(cfg_for(tmp_path, "learner.rounds=4", "metrics.plot=false", name="b"))
+    c = train(cfg_for(tmp_path, "learner.rounds=4", "metrics.plot=false", "seed=1", name="c"))
+    assert strip_timing(a.history) == strip_timing(b.history)
+    assert strip_timing(a.history) != strip_timing(c.history)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "tbrm"])
+def test_baselines_run_through_the_same_loop(tmp_path, algo):
+    extra = ["algo.name=grpo", "learner.updates_per_round=1"] if algo == "grpo" else [
+        "algo.name=tbrm"]  # fmt: skip
+    res = train(cfg_for(tmp_path, *extra, "learner.rounds=6", "metrics.plot=false", name=algo))
+    assert len(res.history) == 7
+    assert all(r.get("loss") is not None for r in res.history[1:])
+    if algo == "grpo":
+        assert res.history[-1]["policy_version"] == 6
+        assert res.final_success > res.initial_success
+
+
+def run_cli(*args: str, cwd: Path):
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        capture_output=True, text=True, timeout=300, cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+
+
+def test_cli_rejects_bad_config_naming_the_field(tmp_path):
+    out = run_cli("train", "--set", "learner.lrr=1", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "learner.lrr" in out.stderr
+    out = run_cli("train", "--config", str(tmp_path / "nope.toml"), cwd=tmp_path)
+    assert out.returncode == 2 and "not found" in out.stderr
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_cli_trains_with_algo_flag(tmp_path):
+    sets = [x for o in ONESHOT + ["learner.rounds=3", f"output_dir={tmp_path}", "name=cli"]
+            for x in ("--set", o)]  # fmt: skip
+    out = run_cli("train", "--algo", "grpo", "--no-progress", *sets, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "success rate" in out.stdout
+    saved = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert saved["algo"]["name"] == "grpo" and saved["learner"]["updates_per_round"] == 1
+    assert len(read_jsonl(tmp_path / "cli" / "metrics.jsonl")) == 4
