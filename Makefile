@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The torch-free packages that mypy checks strictly.
-LIGHT := reval/config.py reval/rewards.py buffer
+LIGHT := reval/config.py reval/rewards.py reval/metrics.py buffer
 
 .PHONY: demo test lint unit venv clean
 

@@ -148,7 +148,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
 def encode(traj: Trajectory) -> bytes:
     """Validate and pack a record."""
     traj.validate()
-    return msgpack.packb(traj.to_wire(), use_bin_type=True)
+    packed: bytes = msgpack.packb(traj.to_wire(), use_bin_type=True)
+    return packed
 
 
 def _array(raw: bytes, dtype: type[np.generic], name: str) -> npt.NDArray[Any]:

@@ -92,17 +92,27 @@ def value_loss(
 
 
 def reval_loss(
-    slp: Tensor, v1: Tensor, slp_ref: Tensor, v1_ref: Tensor, reward: Tensor, beta: float,
+    slp: Tensor,
+    v1: Tensor,
+    slp_ref: Tensor,
+    v1_ref: Tensor,
+    reward: Tensor,
+    beta: float,
     denom: float | None = None,
-) -> LossOutput:  # fmt: skip
+) -> LossOutput:
     """ReVal loss (see ``value_loss``)."""
     return value_loss("reval", slp, v1, slp_ref, v1_ref, reward, beta, denom)
 
 
 def tbrm_loss(
-    slp: Tensor, v1: Tensor, slp_ref: Tensor, v1_ref: Tensor, reward: Tensor, beta: float,
+    slp: Tensor,
+    v1: Tensor,
+    slp_ref: Tensor,
+    v1_ref: Tensor,
+    reward: Tensor,
+    beta: float,
     denom: float | None = None,
-) -> LossOutput:  # fmt: skip
+) -> LossOutput:
     """TBRM loss (not calibrated: Δ = V_ref(s1) when θ = ref and r = 0)."""
     return value_loss("tbrm", slp, v1, slp_ref, v1_ref, reward, beta, denom)
 

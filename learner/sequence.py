@@ -1,8 +1,8 @@
 """From trajectories and a causal LM to the loss inputs (ALGORITHM.md §1).
 
 Layout (verl's): ``input_ids = cat(prompt [B,P] left-padded, response [B,T] right-padded)``,
-``z = logits[:, -T-1:-1]`` so ``z[:, t]`` predicts ``y[:, t]`` and ``z[:, 0]`` is Q(s1, ·) at the last
-prompt token for every row. Everything after the model runs in fp32.
+``z = logits[:, -T-1:-1]`` so ``z[:, t]`` predicts ``y[:, t]`` and ``z[:, 0]`` is Q(s1, ·) at the
+last prompt token for every row. Everything after the model runs in fp32.
 """
 
 from __future__ import annotations

@@ -73,9 +73,9 @@ class Learner:
         if self.algo.name == "grpo":
             raw = torch.tensor([t.reward_raw for t in trajectories])
             advantages = grpo_advantages(raw, [t.group_id for t in trajectories])
-            denom = float(sum(
-                float(collate(c, self.pad_id, self.eos_id).mask.sum()) for c in chunks
-            ))  # fmt: skip
+            denom = float(
+                sum(float(collate(c, self.pad_id, self.eos_id).mask.sum()) for c in chunks)
+            )
         totals: dict[str, float] = {}
         loss_total = 0.0
         deltas = []
@@ -89,16 +89,28 @@ class Learner:
                 v1_ref = torch.tensor([t.ref_value for t in chunk], device=self.device)
                 out = value_loss(
                     self.algo.name,  # type: ignore[arg-type]
-                    stats.slp, stats.v1, slp_ref, v1_ref, batch.reward, self.algo.beta, denom,
-                )  # fmt: skip
+                    stats.slp,
+                    stats.v1,
+                    slp_ref,
+                    v1_ref,
+                    batch.reward,
+                    self.algo.beta,
+                    denom,
+                )
             else:
                 adv = advantages[offset : offset + len(chunk)].to(self.device)
                 out = grpo_loss(
-                    stats.logp, stats.logp.detach(), adv, batch.mask,
-                    clip_low=self.algo.clip_low, clip_high=self.algo.clip_high,
-                    clip_ratio_c=self.algo.clip_ratio_c, rollout_logp=batch.rollout_logp,
-                    tis_cap=self.algo.tis_cap, denom=denom,
-                )  # fmt: skip
+                    stats.logp,
+                    stats.logp.detach(),
+                    adv,
+                    batch.mask,
+                    clip_low=self.algo.clip_low,
+                    clip_high=self.algo.clip_high,
+                    clip_ratio_c=self.algo.clip_ratio_c,
+                    rollout_logp=batch.rollout_logp,
+                    tis_cap=self.algo.tis_cap,
+                    denom=denom,
+                )
             out.loss.backward()
             loss_total += float(out.loss.item())
             for k, v in out.metrics.items():

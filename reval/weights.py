@@ -19,10 +19,21 @@ from torch import Tensor
 HEADER_VERSION = 1
 ALIGN = 64  # bytes; keeps every view aligned for any dtype and for vectorized copies
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)}  # fmt: skip
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -45,12 +56,16 @@ class Bucket:
 
     def header(self) -> bytes:
         """The typed metadata that precedes the data on the wire (msgpack)."""
-        return msgpack.packb({
-            "v": HEADER_VERSION,
-            "version": self.version,
-            "nbytes": int(self.data.numel()),
-            "tensors": [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in self.metas],
-        })  # fmt: skip
+        return msgpack.packb(
+            {
+                "v": HEADER_VERSION,
+                "version": self.version,
+                "nbytes": int(self.data.numel()),
+                "tensors": [
+                    [m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in self.metas
+                ],
+            }
+        )
 
     @staticmethod
     def metas_from_header(raw: bytes) -> tuple[int, int, list[TensorMeta]]:
@@ -85,12 +100,21 @@ def pack_buckets(
     def flush() -> Bucket:
         metas, offset = [], 0
         for name, t in pending:
-            metas.append(TensorMeta(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                                    offset, t.numel() * t.element_size()))  # fmt: skip
+            metas.append(
+                TensorMeta(
+                    name,
+                    str(t.dtype).removeprefix("torch."),
+                    tuple(t.shape),
+                    offset,
+                    t.numel() * t.element_size(),
+                )
+            )
             offset = _align(offset + metas[-1].nbytes)
         data = torch.empty(offset, dtype=torch.uint8, device=pending[0][1].device)
         for (_, t), m in zip(pending, metas, strict=True):
-            data[m.offset : m.offset + m.nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+            data[m.offset : m.offset + m.nbytes].copy_(
+                t.detach().contiguous().view(-1).view(torch.uint8)
+            )
         return Bucket(metas, data, version)
 
     for name, tensor in named_tensors:

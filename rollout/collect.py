@@ -23,7 +23,9 @@ class RoundResult:
     """Response tokens generated."""
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> list[list[int]]:
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
+) -> list[list[int]]:
     return [list(tokenizer(p.text, add_special_tokens=False).input_ids) for p in prompts]
 
 

@@ -89,8 +89,10 @@ class HFEngine:
                 raise KeyError(f"load_weights: the model has no tensor named {name!r}")
             dst = params[name]
             if dst.shape != tensor.shape:
-                raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"load_weights: {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
             dst.copy_(tensor.to(dst.device, dst.dtype))
         self.policy_version = version
 

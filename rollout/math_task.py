@@ -49,8 +49,17 @@ _SPACES = re.compile(r"\s+")
 
 def normalize_answer(ans: str) -> str:
     s = _SPACES.sub("", ans)
-    for a, b in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""),
-                 ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", ""), ("$", ""), ("\\!", "")):  # fmt: skip
+    for a, b in (
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+        ("\\left", ""),
+        ("\\right", ""),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+        ("\\$", ""),
+        ("$", ""),
+        ("\\!", ""),
+    ):
         s = s.replace(a, b)
     s = s.rstrip(".")
     if re.fullmatch(r"-?\d+\.0+", s):
@@ -68,7 +77,7 @@ class BoxedMatch:
 
     def score(self, prompt: Prompt, response: str) -> float:
         if self.require_think:
-            head, sep, tail = response.partition("</think>")
+            _head, sep, tail = response.partition("</think>")
             if not sep:
                 return 0.0
             response = tail
@@ -176,5 +185,6 @@ class MathTask:
 
     def pretrain_texts(self, rng: Any, count: int) -> list[str]:
         return [
-            f"{p.text} \\boxed{{{p.answer}}}" for p in rng.sample(self.prompts, min(count, len(self.prompts)))
+            f"{p.text} \\boxed{{{p.answer}}}"
+            for p in rng.sample(self.prompts, min(count, len(self.prompts)))
         ]

@@ -15,7 +15,9 @@ from reval.policy import Policy
 from rollout.tasks import Task
 
 
-def pretrain(policy: Policy, task: Task, steps: int, lr: float, batch_size: int, seed: int) -> float:
+def pretrain(
+    policy: Policy, task: Task, steps: int, lr: float, batch_size: int, seed: int
+) -> float:
     """Train ``steps`` AdamW steps of next-token loss on ``task.pretrain_texts``; returns the
     final loss. Deterministic in ``seed``."""
     if steps <= 0:
@@ -28,7 +30,7 @@ def pretrain(policy: Policy, task: Task, steps: int, lr: float, batch_size: int,
     loss_value = float("nan")
     for _ in range(steps):
         texts = task.pretrain_texts(rng, batch_size)
-        rows = [tok(t, add_special_tokens=False).input_ids + [policy.eos_id] for t in texts]
+        rows = [[*tok(t, add_special_tokens=False).input_ids, policy.eos_id] for t in texts]
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), policy.pad_id, dtype=torch.long)
         labels = torch.full((len(rows), width), -100, dtype=torch.long)

@@ -23,8 +23,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run the whole ReVal loop in one process")
     t.add_argument("--config", help="TOML config (default: configs/demo.toml)")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set learner.lr=1e-3 (repeatable)")  # fmt: skip
+    t.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set learner.lr=1e-3 (repeatable)",
+    )
     t.add_argument("--algo", choices=sorted(ALGO_OVERRIDES), help="loss (baselines: grpo, tbrm)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

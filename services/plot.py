@@ -9,7 +9,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def plot_curve(history: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
@@ -20,7 +20,9 @@ def plot_curve(history: Sequence[dict[str, Any]], path: str | Path, title: str =
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax1.plot(rounds, reward, color="tab:blue", alpha=0.5, label="success, training samples")
     if ev:
-        ax1.plot(*zip(*ev, strict=True), "o-", color="tab:green", label="success, all prompts (eval)")
+        ax1.plot(
+            *zip(*ev, strict=True), "o-", color="tab:green", label="success, all prompts (eval)"
+        )
     ax1.set_ylim(-0.02, 1.02)
     ax1.set_ylabel("success rate")
     ax1.grid(alpha=0.3)

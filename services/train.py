@@ -77,9 +77,13 @@ def build_policy_and_task(cfg: RunConfig) -> tuple[Policy, Task, dict[str, float
     info: dict[str, float] = {}
     if cfg.model.pretrain_steps and cfg.model.name_or_path is None:
         info["pretrain_loss"] = pretrain(
-            policy, task, cfg.model.pretrain_steps, cfg.model.pretrain_lr,
-            cfg.model.pretrain_batch_size, cfg.seed,
-        )  # fmt: skip
+            policy,
+            task,
+            cfg.model.pretrain_steps,
+            cfg.model.pretrain_lr,
+            cfg.model.pretrain_batch_size,
+            cfg.seed,
+        )
     if isinstance(task, OneShotTask):
         info["oneshot_base_success"] = task.calibrate(policy)
     return policy, task, info
@@ -115,9 +119,15 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
 
     def run_eval(round_idx: int) -> float:
         return evaluate(
-            engine, policy.tokenizer, task, eval_prompts, cfg.eval.samples_per_prompt,
-            cfg.eval.temperature, cfg.rollout.max_new_tokens, seed=cfg.seed * 1000003 + round_idx,
-        )  # fmt: skip
+            engine,
+            policy.tokenizer,
+            task,
+            eval_prompts,
+            cfg.eval.samples_per_prompt,
+            cfg.eval.temperature,
+            cfg.rollout.max_new_tokens,
+            seed=cfg.seed * 1000003 + round_idx,
+        )
 
     history: list[dict[str, Any]] = []
     initial = run_eval(0)
@@ -135,10 +145,17 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
         t0 = time.perf_counter()
         engine.policy_version = learner.step
         result = collect_round(
-            engine, policy.tokenizer, task, sampler.take(cfg.rollout.prompts_per_round), params,
-            seed=cfg.seed * 7919 + rnd, reward_variant=cfg.algo.reward, group_prefix=f"r{rnd}",
-            run_id=cfg.name, worker_id="embedded",
-        )  # fmt: skip
+            engine,
+            policy.tokenizer,
+            task,
+            sampler.take(cfg.rollout.prompts_per_round),
+            params,
+            seed=cfg.seed * 7919 + rnd,
+            reward_variant=cfg.algo.reward,
+            group_prefix=f"r{rnd}",
+            run_id=cfg.name,
+            worker_id="embedded",
+        )
         t_gen = time.perf_counter() - t0
         evicted = buffer.insert(result.trajectories)
         upd: dict[str, float] = {}
@@ -176,7 +193,7 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
             "elapsed_s": time.perf_counter() - t_start,
             **upd,
         }
-        if cfg.eval.every and rnd % cfg.eval.every == 0 or rnd == cfg.learner.rounds:
+        if (cfg.eval.every and rnd % cfg.eval.every == 0) or rnd == cfg.learner.rounds:
             success = run_eval(rnd)
             record["eval_success"] = success
             metrics.success.set(success)
@@ -202,8 +219,13 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
         from services.plot import plot_curve
 
         plot_curve(history, run_dir / "curve.png", title=f"{cfg.name}: {cfg.algo.name}")
-    summary = {"initial_success": initial, "final_success": success, "rounds": cfg.learner.rounds,
-               "policy_version": learner.step, "skipped_steps": learner.skipped_steps}  # fmt: skip
+    summary = {
+        "initial_success": initial,
+        "final_success": success,
+        "rounds": cfg.learner.rounds,
+        "policy_version": learner.step,
+        "skipped_steps": learner.skipped_steps,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return TrainResult(run_dir, history, initial, success, ckpt)
 

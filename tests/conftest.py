@@ -6,8 +6,9 @@ import pytest
 from buffer.records import Trajectory
 
 
-def make_traj(i: int = 0, *, version: int = 0, reward: float = 1.0, plen: int = 3,
-              rlen: int = 4) -> Trajectory:  # fmt: skip
+def make_traj(
+    i: int = 0, *, version: int = 0, reward: float = 1.0, plen: int = 3, rlen: int = 4
+) -> Trajectory:
     rng = np.random.default_rng(i)
     return Trajectory(
         prompt_ids=rng.integers(3, 50, plen),

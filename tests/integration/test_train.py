@@ -83,8 +83,9 @@ def test_same_seed_same_curve(tmp_path):
 
 @pytest.mark.parametrize("algo", ["grpo", "tbrm"])
 def test_baselines_run_through_the_same_loop(tmp_path, algo):
-    extra = ["algo.name=grpo", "learner.updates_per_round=1"] if algo == "grpo" else [
-        "algo.name=tbrm"]  # fmt: skip
+    extra = (
+        ["algo.name=grpo", "learner.updates_per_round=1"] if algo == "grpo" else ["algo.name=tbrm"]
+    )
     res = train(cfg_for(tmp_path, *extra, "learner.rounds=6", "metrics.plot=false", name=algo))
     assert len(res.history) == 7
     assert all(r.get("loss") is not None for r in res.history[1:])
@@ -96,9 +97,12 @@ def test_baselines_run_through_the_same_loop(tmp_path, algo):
 def run_cli(*args: str, cwd: Path):
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
-        capture_output=True, text=True, timeout=300, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-    )  # fmt: skip
+    )
 
 
 def test_cli_rejects_bad_config_naming_the_field(tmp_path):
@@ -111,8 +115,11 @@ def test_cli_rejects_bad_config_naming_the_field(tmp_path):
 
 
 def test_cli_trains_with_algo_flag(tmp_path):
-    sets = [x for o in ONESHOT + ["learner.rounds=3", f"output_dir={tmp_path}", "name=cli"]
-            for x in ("--set", o)]  # fmt: skip
+    sets = [
+        x
+        for o in [*ONESHOT, "learner.rounds=3", f"output_dir={tmp_path}", "name=cli"]
+        for x in ("--set", o)
+    ]
     out = run_cli("train", "--algo", "grpo", "--no-progress", *sets, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "success rate" in out.stdout

@@ -82,7 +82,7 @@ def test_cross_field_rules():
 
 
 def test_malformed_overrides_and_files(tmp_path: Path):
-    with pytest.raises(ConfigError, match="section.field=value"):
+    with pytest.raises(ConfigError, match=r"section\.field=value"):
         parse_overrides(["learner.lr"])
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")

@@ -51,8 +51,9 @@ def test_seeded_and_n_samples(engine):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_teacher_forced_forward(engine, policy, temperature):
-    out = engine.generate(PROMPTS, SamplingParams(n=2, temperature=temperature,
-                                                  max_new_tokens=5), seed=1)  # fmt: skip
+    out = engine.generate(
+        PROMPTS, SamplingParams(n=2, temperature=temperature, max_new_tokens=5), seed=1
+    )
     with torch.no_grad():
         for prompt, group in zip(PROMPTS, out, strict=True):
             for s in group:
@@ -102,7 +103,7 @@ def test_addition_task_and_verifier():
     assert task.verifier.score(p, " 15 ") == 1.0
     assert task.verifier.score(p, "16") == 0.0
     texts = task.pretrain_texts(random.Random(0), 500)
-    correct = sum(eval(t.split("=")[0]) == int(t.split("=")[1]) for t in texts)  # noqa: S307
+    correct = sum(eval(t.split("=")[0]) == int(t.split("=")[1]) for t in texts)
     assert correct < 60  # answers are random, not the function (chance ~ 1/19)
 
 
@@ -146,5 +147,5 @@ def test_math_task_rows_templates_and_boxed_grading(tmp_path):
     assert plain.score(q, "10") == 0.0  # no box
     assert last_boxed("\\boxed{\\frac{a}{b}}") == "\\frac{a}{b}"
     assert last_boxed("\\boxed{unclosed") is None
-    with pytest.raises(ValueError, match="needs task.dataset"):
+    with pytest.raises(ValueError, match=r"needs task\.dataset"):
         build_task(TaskConfig(kind="math"))

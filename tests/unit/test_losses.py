@@ -82,8 +82,11 @@ def test_v2_values_and_gradients():
     assert v1_ref.item() == pytest.approx(1.917576, abs=1e-6)
     assert slp.item() == pytest.approx(-0.886759, abs=1e-6)
     assert slp_ref.item() == pytest.approx(-1.768705, abs=1e-6)
-    want = {"reval": (-0.989624, 0.979356), "tbrm": (0.927952, 0.861094),
-            "regression": (-1.118055, 1.250046)}  # fmt: skip
+    want = {
+        "reval": (-0.989624, 0.979356),
+        "tbrm": (0.927952, 0.861094),
+        "regression": (-1.118055, 1.250046),
+    }
     for kind, (d, l) in want.items():
         z = V2_Z.clone().requires_grad_(True)
         out = loss_of(kind, z, V2_REF, V2_Y, V2_M, r, 0.5)
@@ -129,7 +132,7 @@ def test_autograd_matches_closed_form_and_finite_differences(kind, seed):
         zp, zm = z.clone(), z.clone()
         zp[idx] += eps
         zm[idx] -= eps
-        fd = (loss_of(kind, zp, zref, y, m, r, 0.3).loss - loss_of(kind, zm, zref, y, m, r, 0.3).loss)
+        fd = loss_of(kind, zp, zref, y, m, r, 0.3).loss - loss_of(kind, zm, zref, y, m, r, 0.3).loss
         assert (fd / (2 * eps)).item() == pytest.approx(zz.grad[idx].item(), abs=1e-6)
 
 

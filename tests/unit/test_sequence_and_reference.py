@@ -31,9 +31,16 @@ def trajs(n: int, seed: int = 0) -> list[Trajectory]:
         r = rng.integers(3, VOCAB, int(rng.integers(1, 6)))
         if i % 2 == 0:
             r = np.append(r, EOS)
-        out.append(Trajectory(prompt_ids=p, response_ids=r, logprobs=-np.ones(r.size),
-                              reward_raw=float(i % 3 == 0), reward=float(i % 3 == 0),
-                              traj_id=f"t{i}"))  # fmt: skip
+        out.append(
+            Trajectory(
+                prompt_ids=p,
+                response_ids=r,
+                logprobs=-np.ones(r.size),
+                reward_raw=float(i % 3 == 0),
+                reward=float(i % 3 == 0),
+                traj_id=f"t{i}",
+            )
+        )
     return out
 
 
