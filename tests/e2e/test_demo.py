@@ -1,0 +1,25 @@
+"""The demo, shortened: `configs/demo.toml` as `make demo` runs it, fewer rounds; reward rises."""
+
+from __future__ import annotations
+
+from reval.config import load_config
+from services.train import train
+
+
+def test_shortened_demo_learns_addition(tmp_path):
+    cfg = load_config(
+        overrides=[
+            "learner.rounds=150",
+            "eval.every=50",
+            f"output_dir={tmp_path}",
+            "metrics.progress=false",
+        ],
+        environ={},
+    )
+    res = train(cfg)
+    assert res.initial_success < 0.12  # near chance: 1/19 answers
+    evals = [r["eval_success"] for r in res.history if r.get("eval_success") is not None]
+    assert evals[-1] > res.initial_success + 0.1, evals
+    first = sum(r["reward_mean"] for r in res.history[1:31]) / 30
+    last = sum(r["reward_mean"] for r in res.history[-30:]) / 30
+    assert last > first + 0.05, (first, last)
