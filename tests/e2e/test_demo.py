@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from reval.config import load_config
 from services.train import train
 
@@ -23,3 +25,12 @@ def test_shortened_demo_learns_addition(tmp_path):
     first = sum(r["reward_mean"] for r in res.history[1:31]) / 30
     last = sum(r["reward_mean"] for r in res.history[-30:]) / 30
     assert last > first + 0.05, (first, last)
+
+
+@pytest.mark.slow
+def test_full_demo_reaches_ninety_percent(tmp_path):
+    """The acceptance run of `make demo` (about a minute of training here)."""
+    cfg = load_config(overrides=[f"output_dir={tmp_path}", "metrics.progress=false"], environ={})
+    res = train(cfg)
+    assert res.initial_success < 0.12
+    assert res.final_success >= 0.9, [r.get("eval_success") for r in res.history]

@@ -21,7 +21,11 @@ def test_defaults_and_demo_preset_are_valid():
     cfg = load_config()
     assert cfg.name == "demo"
     assert cfg.task.kind == "addition"
-    assert cfg.batch_size == cfg.rollout.prompts_per_round * cfg.rollout.n
+    assert cfg.round_size == cfg.rollout.prompts_per_round * cfg.rollout.n
+    assert cfg.batch_size == cfg.learner.batch_size
+    assert load_config(overrides=["learner.batch_size=null"], environ={}).batch_size == (
+        cfg.round_size
+    )
 
 
 @pytest.mark.parametrize(

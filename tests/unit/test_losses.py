@@ -15,8 +15,16 @@ from learner.losses import (
 )
 from learner.sequence import eos_mask, sequence_stats
 
-torch.set_default_dtype(torch.float64)
 KINDS = ("reval", "tbrm", "regression")
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """These tests compute in float64; restore the default for the rest of the session."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def stats64(z: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
@@ -48,7 +56,7 @@ def closed_form_grad(kind, z, y, m, delta):
 
 # -- §7 vectors -------------------------------------------------------------------------------
 
-V1_Z = torch.tensor([[[2.0, 1, 0, -1], [0.5, 0.5, 0, 0], [1, 0, 0, 3]]])
+V1_Z = torch.tensor([[[2.0, 1, 0, -1], [0.5, 0.5, 0, 0], [1, 0, 0, 3]]], dtype=torch.float64)
 V1_Y = torch.tensor([[0, 1, 3]])
 
 
@@ -68,10 +76,10 @@ def test_v1_calibrated_init_vs_tbrm():
             assert gmax == 0.0
 
 
-V2_Z = torch.tensor([[[1.5, 0.5, 0, -0.5], [0, 2, 0, 0], [9.0, -3, 1, 4]]])
-V2_REF = torch.tensor([[[1.0, 1, 0, -1], [0, 1, 0.5, 0], [-2.0, 5, 0, 1]]])
+V2_Z = torch.tensor([[[1.5, 0.5, 0, -0.5], [0, 2, 0, 0], [9.0, -3, 1, 4]]], dtype=torch.float64)
+V2_REF = torch.tensor([[[1.0, 1, 0, -1], [0, 1, 0.5, 0], [-2.0, 5, 0, 1]]], dtype=torch.float64)
 V2_Y = torch.tensor([[0, 1, 2]])
-V2_M = torch.tensor([[1.0, 1, 0]])
+V2_M = torch.tensor([[1.0, 1, 0]], dtype=torch.float64)
 
 
 def test_v2_values_and_gradients():
