@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,23 @@ def plot_curve(history: Sequence[dict[str, Any]], path: str | Path, title: str =
     ax1.set_ylim(-0.02, 1.02)
     ax1.set_ylabel("success rate")
     ax1.grid(alpha=0.3)
-    ax1.legend(loc="lower right")
     ax1.set_title(title)
     ax2.plot(rounds[: len(loss)], loss, color="tab:red")
+    resets = [
+        b["round"]
+        for a, b in pairwise(history)
+        if b.get("ref_version", 0) != a.get("ref_version", 0)
+    ]
+    for i, r in enumerate(resets):
+        for ax in (ax1, ax2):
+            ax.axvline(
+                r,
+                color="gray",
+                ls="--",
+                lw=0.8,
+                label="reference reset" if ax is ax1 and i == 0 else None,
+            )
+    ax1.legend(loc="lower right")
     ax2.set_yscale("log")
     ax2.set_ylabel("loss")
     ax2.set_xlabel("round")
