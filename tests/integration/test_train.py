@@ -129,3 +129,32 @@ def test_cli_trains_with_algo_flag(tmp_path):
     saved = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert saved["algo"]["name"] == "grpo" and saved["learner"]["updates_per_round"] == 1
     assert len(read_jsonl(tmp_path / "cli" / "metrics.jsonl")) == 4
+
+
+def test_all_updates_from_the_buffer_and_reload_through_load_policy(tmp_path):
+    """§4.3's schedule (every update samples the buffer), then the checkpoint loads back through
+    the real-checkpoint path of the policy factory with identical outputs."""
+    import torch
+
+    from reval.config import ModelConfig
+    from reval.policy import load_policy
+    from services.train import build_policy_and_task
+
+    res = train(
+        cfg_for(
+            tmp_path, "learner.first_update_fresh=false", "learner.rounds=4", "metrics.plot=false"
+        )
+    )
+    assert res.history[-1]["policy_version"] == 8
+    assert res.history[-1]["use_count_mean"] > 0
+    loaded = load_policy(ModelConfig(name_or_path=str(res.checkpoint), device="cpu"))
+    assert loaded.tokenizer.padding_side == "left"
+    ids = loaded.tokenizer("code:", add_special_tokens=False, return_tensors="pt").input_ids
+    # the checkpoint holds the trained weights, not those of a fresh build of the same run
+    fresh, _, _ = build_policy_and_task(cfg_for(tmp_path, name="fresh"))
+    with torch.no_grad():
+        a = loaded.model(input_ids=ids).logits
+        b = fresh.model(input_ids=ids).logits
+    assert not torch.allclose(a, b)
+    state = torch.load(res.checkpoint / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 8 and state["round"] == 4
