@@ -91,40 +91,6 @@ def value_loss(
     return LossOutput(loss=loss, delta=d, metrics=metrics)
 
 
-def reval_loss(
-    slp: Tensor,
-    v1: Tensor,
-    slp_ref: Tensor,
-    v1_ref: Tensor,
-    reward: Tensor,
-    beta: float,
-    denom: float | None = None,
-) -> LossOutput:
-    """ReVal loss (see ``value_loss``)."""
-    return value_loss("reval", slp, v1, slp_ref, v1_ref, reward, beta, denom)
-
-
-def tbrm_loss(
-    slp: Tensor,
-    v1: Tensor,
-    slp_ref: Tensor,
-    v1_ref: Tensor,
-    reward: Tensor,
-    beta: float,
-    denom: float | None = None,
-) -> LossOutput:
-    """TBRM loss (not calibrated: Δ = V_ref(s1) when θ = ref and r = 0)."""
-    return value_loss("tbrm", slp, v1, slp_ref, v1_ref, reward, beta, denom)
-
-
-def regression_loss(
-    slp: Tensor, slp_ref: Tensor, reward: Tensor, beta: float, denom: float | None = None
-) -> LossOutput:
-    """Regression variant (App. E): no V terms."""
-    zero = torch.zeros_like(slp)
-    return value_loss("regression", slp, zero, slp_ref, zero, reward, beta, denom)
-
-
 def grpo_advantages(rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
     """GRPO outcome advantage ``(r - mean_G) / (std_G + 1e-6)`` with the unbiased std; a singleton
     group gets mean 0 and std 1 (verl v0.5.0 ``compute_grpo_outcome_advantage``). Shape [B]."""

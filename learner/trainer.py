@@ -68,20 +68,19 @@ class Learner:
         bsz = len(trajectories)
         mbs = self.learner_cfg.micro_batch_size
         chunks = [trajectories[i : i + mbs] for i in range(0, bsz, mbs)]
+        batches = [collate(c, self.pad_id, self.eos_id) for c in chunks]
         advantages = None
         denom: float = float(bsz)
         if self.algo.name == "grpo":
             raw = torch.tensor([t.reward_raw for t in trajectories])
             advantages = grpo_advantages(raw, [t.group_id for t in trajectories])
-            denom = float(
-                sum(float(collate(c, self.pad_id, self.eos_id).mask.sum()) for c in chunks)
-            )
+            denom = float(sum(float(b.mask.sum()) for b in batches))  # token mean over all B
         totals: dict[str, float] = {}
         loss_total = 0.0
         deltas = []
         offset = 0
-        for chunk in chunks:
-            batch = collate(chunk, self.pad_id, self.eos_id).to(self.device)
+        for chunk, cpu_batch in zip(chunks, batches, strict=True):
+            batch = cpu_batch.to(self.device)
             stats = policy_stats(self.model, batch)
             out: LossOutput
             if advantages is None:
