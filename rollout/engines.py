@@ -56,8 +56,8 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     if top_p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+    probs = sorted_logits.softmax(-1)
+    drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # mass before this token already >= top_p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
