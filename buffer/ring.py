@@ -1,100 +1,308 @@
-"""The embedded in-memory FIFO ring: one-process runs with no Redis (a product feature)."""
+"""The embedded in-memory FIFO ring: one-process runs with no Redis (a product feature).
+
+Same model and semantics as the Redis ring (see ``buffer.base``); thread-safe; sampling waits on
+a condition variable that inserts notify.
+"""
 
 from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Sequence
 
-from buffer.base import BufferStats
-from buffer.records import Trajectory
+import numpy as np
+
+from buffer.base import BufferStats, SampledBatch, SampleTimeout, importance_weights, priority_of
+from buffer.metrics import BufferMetrics
+from buffer.records import RecordError, Trajectory
+from buffer.sumtree import SumTree
 
 
 class MemoryRing:
-    """Ring of M slots: slot = (insert counter) mod M, so insert and eviction are O(1) and a
-    uniform sample of B is O(B). Thread-safe."""
+    """Ring of M slots: slot = position mod M, so insert and eviction are O(1) and a uniform
+    sample of B is O(B)."""
 
-    def __init__(self, capacity: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        seed: int = 0,
+        *,
+        samples_per_insert: float | None = None,
+        rate_slack: int = 0,
+        min_size_to_sample: int = 0,
+        max_staleness: int | None = None,
+        prioritized: bool = False,
+        priority_alpha: float = 0.6,
+        priority_beta: float = 0.4,
+        priority_eps: float = 1e-3,
+        metrics: BufferMetrics | None = None,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._capacity = capacity
         self._slots: list[Trajectory | None] = [None] * capacity
-        self._index: dict[str, int] = {}  # traj_id -> slot
+        self._index: dict[str, int] = {}  # traj_id -> position
         self._head = 0  # total inserted; next slot is head % capacity
+        self._tail = 0  # oldest held position
         self._evicted = 0
         self._sampled = 0
+        self._rejected = 0
+        self._dropped = 0
+        self._version = 0
         self._rng = random.Random(seed)
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self.samples_per_insert = samples_per_insert
+        self.rate_slack = rate_slack
+        self.min_size_to_sample = min_size_to_sample
+        self.max_staleness = max_staleness
+        self.prioritized = prioritized
+        self.alpha, self.beta, self.eps = priority_alpha, priority_beta, priority_eps
+        self._tree = SumTree(capacity) if prioritized else None
+        self._max_priority = 1.0
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.capacity.set(capacity)
 
     @property
     def capacity(self) -> int:
         return self._capacity
 
     def __len__(self) -> int:
-        return min(self._head, self._capacity)
+        return self._head - self._tail
+
+    # -- producers ------------------------------------------------------------------------------
 
     def insert(self, trajectories: Sequence[Trajectory]) -> int:
-        for t in trajectories:
-            t.validate()
+        for i, t in enumerate(trajectories):
+            try:
+                t.validate()
+            except RecordError as err:
+                with self._cond:
+                    self._rejected += 1
+                if self.metrics is not None:
+                    self.metrics.rejected.inc()
+                raise RecordError(f"record {i} ({t.traj_id!r}): {err}; batch not written") from None
         evicted = 0
-        with self._lock:
+        with self._cond:
             for t in trajectories:
+                if t.traj_id in self._index:
+                    continue  # a producer's retry of a batch that already landed
                 slot = self._head % self._capacity
-                old = self._slots[slot]
-                if old is not None:
+                if self._head - self._capacity >= self._tail:
+                    old = self._slots[slot]
+                    assert old is not None
                     self._index.pop(old.traj_id, None)
+                    self._tail += 1
                     evicted += 1
                 self._slots[slot] = t
-                self._index[t.traj_id] = slot
+                self._index[t.traj_id] = self._head
+                if self._tree is not None:
+                    self._tree.set(slot, self._max_priority)
                 self._head += 1
             self._evicted += evicted
+            self._cond.notify_all()
+            size = len(self)
+        if self.metrics is not None:
+            self.metrics.inserts.inc(len(trajectories))
+            self.metrics.evictions.inc(evicted)
+            self.metrics.size.set(size)
         return evicted
 
-    def sample(self, batch_size: int) -> list[Trajectory]:
-        with self._lock:
-            size = len(self)
-            if batch_size < 1:
-                raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-            if batch_size > size:
-                raise ValueError(f"cannot sample {batch_size} from a buffer holding {size}")
-            # The held slots are 0..size-1 whether or not the ring has wrapped.
-            chosen = self._rng.sample(range(size), batch_size)
-            out = []
-            for slot in chosen:
+    # -- the learner ----------------------------------------------------------------------------
+
+    def set_policy_version(self, version: int) -> None:
+        with self._cond:
+            self._version = int(version)
+
+    def _drop_stale_prefix(self) -> int:
+        if self.max_staleness is None:
+            return 0
+        floor = self._version - self.max_staleness
+        dropped = 0
+        while self._tail < self._head:
+            slot = self._tail % self._capacity
+            t = self._slots[slot]
+            assert t is not None
+            if t.policy_version >= floor:
+                break
+            self._index.pop(t.traj_id, None)
+            self._slots[slot] = None
+            if self._tree is not None:
+                self._tree.set(slot, 0.0)
+            self._tail += 1
+            dropped += 1
+        self._dropped += dropped
+        return dropped
+
+    def _blocked(self, batch_size: int) -> str | None:
+        """Why a batch cannot be handed out now (None: it can)."""
+        need = max(batch_size, self.min_size_to_sample)
+        if len(self) < need:
+            return f"cannot sample {batch_size} from a buffer holding {len(self)} (need {need})"
+        if self.samples_per_insert is not None:
+            allowed = self.samples_per_insert * self._head + self.rate_slack
+            if self._sampled + batch_size > allowed:
+                return (
+                    f"rate limited: {self._sampled} sampled + {batch_size} > "
+                    f"{self.samples_per_insert} x {self._head} inserted + {self.rate_slack}"
+                )
+        return None
+
+    def _draw(self, batch_size: int) -> tuple[list[int], list[float], int] | None:
+        """Positions of a batch (and their first-draw probabilities), skipping stale ones;
+        None when too few fresh ones are held. Caller holds the lock."""
+        floor = None if self.max_staleness is None else self._version - self.max_staleness
+        n = len(self)
+        chosen: list[int] = []
+        probs: list[float] = []
+        skipped = 0
+        if self._tree is None:
+            swaps: dict[int, int] = {}
+            for i in range(n):
+                if len(chosen) == batch_size:
+                    break
+                j = i + int(self._rng.random() * (n - i))
+                vi, vj = swaps.get(i, i), swaps.get(j, j)
+                swaps[j] = vi
+                pos = self._tail + vj
+                t = self._slots[pos % self._capacity]
+                assert t is not None
+                if floor is not None and t.policy_version < floor:
+                    skipped += 1
+                    continue
+                chosen.append(pos)
+                probs.append(1.0 / n)
+        else:
+            tree = self._tree
+            total = tree.total
+            zeroed: list[tuple[int, float]] = []
+            while len(chosen) < batch_size and tree.total > 0:
+                slot = tree.find(self._rng.random() * tree.total)
+                p = tree.get(slot)
+                if p <= 0:  # float round-off at an edge: never hand out a zero leaf
+                    break
+                zeroed.append((slot, p))
+                tree.set(slot, 0.0)
                 t = self._slots[slot]
+                assert t is not None
+                if floor is not None and t.policy_version < floor:
+                    skipped += 1
+                    continue
+                chosen.append(self._index[t.traj_id])
+                probs.append(p / total)
+            for slot, p in zeroed:
+                tree.set(slot, p)
+        self._dropped += skipped
+        if len(chosen) < batch_size:
+            return None
+        return chosen, probs, skipped
+
+    def sample(self, batch_size: int, timeout: float = 0.0) -> SampledBatch:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size > self._capacity:
+            raise ValueError(
+                f"cannot sample {batch_size} from a buffer of capacity {self._capacity}"
+            )
+        start = time.perf_counter()
+        deadline = start + timeout
+        waited = 0.0
+        with self._cond:
+            dropped = self._drop_stale_prefix()
+            while True:
+                reason = self._blocked(batch_size)
+                drawn = None if reason else self._draw(batch_size)
+                if drawn is not None:
+                    break
+                reason = reason or f"fewer than {batch_size} trajectories within max_staleness"
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise SampleTimeout(reason)
+                t0 = time.perf_counter()
+                self._cond.wait(min(left, 0.05))
+                waited += time.perf_counter() - t0
+                dropped += self._drop_stale_prefix()
+            positions, probs, skipped = drawn
+            out = []
+            for pos in positions:
+                t = self._slots[pos % self._capacity]
                 assert t is not None
                 t.use_count += 1
                 out.append(t)
             self._sampled += batch_size
-        return out
+            version, size = self._version, len(self)
+        if self._tree is not None:
+            weights = importance_weights(np.asarray(probs), size, self.beta)
+        else:
+            weights = np.ones(batch_size, dtype=np.float32)
+        staleness = np.array([version - t.policy_version for t in out], dtype=np.int64)
+        batch = SampledBatch(out, weights, staleness, skipped + dropped, waited)
+        if self.metrics is not None:
+            self.metrics.observe_sample(
+                time.perf_counter() - start, waited, staleness.tolist(), [t.use_count for t in out]
+            )
+            self.metrics.dropped_stale.inc(skipped + dropped)
+            self.metrics.size.set(size)
+        return batch
+
+    def update_priorities(self, traj_ids: Sequence[str], deltas: Sequence[float]) -> int:
+        if len(traj_ids) != len(deltas):
+            raise ValueError(f"{len(traj_ids)} ids but {len(deltas)} deltas")
+        if self._tree is None:
+            return 0
+        found = 0
+        with self._cond:
+            for tid, d in zip(traj_ids, deltas, strict=True):
+                pos = self._index.get(tid)
+                if pos is None:
+                    continue
+                p = priority_of(d, self.alpha, self.eps)
+                self._tree.set(pos % self._capacity, p)
+                self._max_priority = max(self._max_priority, p)
+                found += 1
+        return found
 
     def write_back(self, trajectories: Sequence[Trajectory]) -> int:
         found = 0
-        with self._lock:
+        with self._cond:
             for t in trajectories:
-                slot = self._index.get(t.traj_id)
-                if slot is not None:
-                    self._slots[slot] = t
+                pos = self._index.get(t.traj_id)
+                if pos is not None:
+                    held = self._slots[pos % self._capacity]
+                    assert held is not None
+                    t.use_count = held.use_count
+                    self._slots[pos % self._capacity] = t
                     found += 1
         return found
 
     def items(self) -> list[Trajectory]:
-        with self._lock:
-            size = len(self)
-            start = self._head - size
+        with self._cond:
             out = []
-            for i in range(start, self._head):
-                t = self._slots[i % self._capacity]
+            for pos in range(self._tail, self._head):
+                t = self._slots[pos % self._capacity]
                 assert t is not None
                 out.append(t)
             return out
 
+    def reset(self) -> None:
+        with self._cond:
+            self._slots = [None] * self._capacity
+            self._index.clear()
+            self._head = self._tail = self._evicted = self._sampled = 0
+            self._rejected = self._dropped = self._version = 0
+            self._tree = SumTree(self._capacity) if self.prioritized else None
+            self._max_priority = 1.0
+
     def stats(self) -> BufferStats:
-        with self._lock:
+        with self._cond:
             return BufferStats(
                 size=len(self),
                 capacity=self._capacity,
                 inserted=self._head,
                 evicted=self._evicted,
                 sampled=self._sampled,
+                rejected=self._rejected,
+                dropped_stale=self._dropped,
+                policy_version=self._version,
             )

@@ -75,12 +75,17 @@ def value_loss(
     reward: Tensor,
     beta: float,
     denom: float | None = None,
+    weights: Tensor | None = None,
 ) -> LossOutput:
     """``L = mean_b Δ_b²`` (per trajectory: no token mean, no length normalization, no clipping
-    of Δ, no detach of V1). ``denom`` defaults to B."""
+    of Δ, no detach of V1). ``denom`` defaults to B. ``weights`` (prioritized replay's importance
+    weights) scale each trajectory's term: ``sum_b w_b Δ_b² / denom``."""
     delta = bellman_residual(kind, slp, v1, slp_ref, v1_ref, reward, beta)
     n = float(delta.shape[0]) if denom is None else float(denom)
-    loss = delta.pow(2).sum() / n
+    sq = delta.pow(2)
+    if weights is not None:
+        sq = sq * weights.to(sq.dtype)
+    loss = sq.sum() / n
     d = delta.detach()
     metrics = {
         "delta_abs_mean": d.abs().mean().item(),

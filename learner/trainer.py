@@ -58,10 +58,18 @@ class Learner:
     def reset_reference(self) -> None:
         self.reference.reset(self.model)
 
-    def update(self, trajectories: Sequence[Trajectory]) -> UpdateResult:
-        """One optimizer step on ``trajectories`` (the mini-batch)."""
+    def update(
+        self, trajectories: Sequence[Trajectory], weights: Sequence[float] | None = None
+    ) -> UpdateResult:
+        """One optimizer step on ``trajectories`` (the mini-batch); ``weights``: per-trajectory
+        importance weights of prioritized replay (value losses only)."""
         if not trajectories:
             raise ValueError("update needs at least one trajectory")
+        if weights is not None and len(weights) != len(trajectories):
+            raise ValueError(f"{len(weights)} weights for {len(trajectories)} trajectories")
+        if weights is not None and self.algo.name == "grpo":
+            raise ValueError("importance weights apply to the value losses, not grpo")
+        w_all = None if weights is None else torch.as_tensor(list(weights), dtype=torch.float32)
         if self.uses_reference:
             self.reference.fill(trajectories, self.device)
         self.optimizer.zero_grad(set_to_none=True)
@@ -95,6 +103,7 @@ class Learner:
                     batch.reward,
                     self.algo.beta,
                     denom,
+                    None if w_all is None else w_all[offset : offset + len(chunk)].to(self.device),
                 )
             else:
                 adv = advantages[offset : offset + len(chunk)].to(self.device)

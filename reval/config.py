@@ -120,13 +120,46 @@ class RolloutConfig(_Section):
 
 
 class BufferConfig(_Section):
-    """The FIFO replay buffer."""
+    """The FIFO replay buffer (embedded ring or the Redis replay service)."""
 
-    backend: Literal["memory"] = "memory"
-    """``memory``: the embedded in-process ring (one-process runs). The Redis replay service
-    joins this choice with its own issue."""
+    backend: Literal["memory", "redis"] = "memory"
+    """``memory``: the embedded in-process ring (one-process runs, nothing survives the process).
+    ``redis``: the replay service, shared by every worker and the learner and kept across
+    restarts (see docs/buffer.md)."""
     capacity: int = Field(1280, ge=1)
     """M: trajectories kept; the oldest is evicted on insert (the paper: 5120)."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """``redis``: where the replay service lives."""
+    key_prefix: str = "reval:"
+    """``redis``: every key of a run is ``{key_prefix}{run}:...`` (runs are isolated)."""
+    samples_per_insert: float | None = Field(None, gt=0)
+    """Rate limiter (like Reverb's SampleToInsertRatio): trajectories handed out may not exceed
+    this times trajectories inserted (plus ``rate_slack``); sampling waits when the learner is
+    ahead, inserts never wait. The paper's K (~2) reuses each trajectory about K times. Off when
+    unset."""
+    rate_slack: int = Field(0, ge=0)
+    """Trajectories the learner may sample beyond the ratio before it waits."""
+    min_size_to_sample: int = Field(0, ge=0)
+    """Sampling waits until the buffer holds this many (0: the batch size)."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Skip (and drop, when they are the oldest) trajectories generated more than this many
+    policy versions ago. Unset: every held trajectory may be sampled."""
+    prioritized: bool = False
+    """Sample in proportion to ``(|delta| + priority_eps) ** priority_alpha`` with importance
+    weights, priorities updated after each update (off: uniform, the paper's choice)."""
+    priority_alpha: float = Field(0.6, ge=0)
+    """Prioritization exponent (0 = uniform)."""
+    priority_beta: float = Field(0.4, ge=0, le=1)
+    """Importance-weight exponent (1 = full correction)."""
+    priority_eps: float = Field(1e-3, gt=0)
+    """Added to |delta| so no trajectory gets zero probability."""
+    sample_timeout_s: float = Field(60.0, gt=0)
+    """The learner waits this long for a batch (rate limiter, too few held, Redis down) before
+    it raises."""
+    spool_max_mb: float = Field(256.0, ge=0)
+    """``redis``: a producer that cannot reach Redis keeps up to this many MB of encoded records
+    locally and flushes them when Redis answers again; beyond it the oldest are dropped (and
+    counted). Generators are never blocked by the buffer."""
 
 
 class LearnerConfig(_Section):
@@ -257,11 +290,21 @@ class RunConfig(_Section):
                 f"learner.batch_size ({self.batch_size}) exceeds buffer.capacity "
                 f"({self.buffer.capacity}): cannot sample without replacement"
             )
+        if self.buffer.min_size_to_sample > self.buffer.capacity:
+            raise ValueError(
+                f"buffer.min_size_to_sample ({self.buffer.min_size_to_sample}) exceeds "
+                f"buffer.capacity ({self.buffer.capacity}): sampling would wait forever"
+            )
         if self.learner.first_update_fresh and self.batch_size > self.round_size:
             raise ValueError(
                 f"learner.batch_size ({self.batch_size}) exceeds one round "
                 f"({self.round_size} = rollout.prompts_per_round * rollout.n) while "
                 "learner.first_update_fresh is set"
+            )
+        if self.algo.name == "grpo" and self.buffer.prioritized:
+            raise ValueError(
+                "buffer.prioritized needs a value loss (algo.name reval, tbrm or regression): "
+                "grpo has no Bellman residual to prioritize by"
             )
         if self.algo.name == "grpo" and (
             self.learner.updates_per_round != 1 or not self.learner.first_update_fresh

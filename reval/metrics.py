@@ -14,7 +14,7 @@ Documented names (one-process trainer; the services add their own under the same
 | ``reval_learner_skipped_steps_total`` | counter | steps skipped for a non-finite gradient norm |
 | ``reval_rollout_trajectories_total`` | counter | trajectories generated |
 | ``reval_rollout_tokens_total`` | counter | response tokens generated |
-| ``reval_buffer_size`` | gauge | trajectories held by the replay buffer |
+| ``reval_buffer_*`` | | the replay buffer's metrics (``buffer.metrics``) on the same registry |
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ class TrainMetrics:
             f"{PREFIX}rollout_trajectories", "Trajectories generated", registry=r
         )
         self.tokens = Counter(f"{PREFIX}rollout_tokens", "Response tokens generated", registry=r)
-        self.buffer_size = Gauge(f"{PREFIX}buffer_size", "Trajectories in the buffer", registry=r)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` over HTTP; returns the bound port (``port=0`` picks a free one)."""

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from buffer import BufferMetrics, SampleTimeout, make_buffer
 from buffer.records import Trajectory
-from buffer.ring import MemoryRing
 from learner.trainer import Learner
 from reval.config import RunConfig, dump_config
 from reval.metrics import JsonlWriter, TrainMetrics
@@ -99,11 +99,12 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
 
     policy, task, info = build_policy_and_task(cfg)
     engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device)
-    buffer = MemoryRing(cfg.buffer.capacity, seed=cfg.seed)
     learner = Learner(
         policy.model, cfg.learner, cfg.algo, policy.pad_id, policy.eos_id, policy.device
     )
     metrics = TrainMetrics()
+    buffer = make_buffer(cfg.buffer, cfg.name, cfg.seed, BufferMetrics(metrics.registry))
+    buffer.reset()  # a fresh run: a Redis run of the same name starts empty
     if cfg.metrics.prometheus_port is not None:
         port = metrics.serve(cfg.metrics.prometheus_port)
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
@@ -157,24 +158,40 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
             worker_id="embedded",
         )
         t_gen = time.perf_counter() - t0
+        buffer.set_policy_version(learner.step)
         evicted = buffer.insert(result.trajectories)
         upd: dict[str, float] = {}
         staleness: list[int] = []
+        done = 0
         for k in range(cfg.learner.updates_per_round):
             batch: list[Trajectory]
+            weights = None
             if k == 0 and cfg.learner.first_update_fresh:
                 batch = result.trajectories[:bsz]
                 for t in batch:
                     t.use_count += 1
             else:
-                batch = buffer.sample(bsz)
+                buffer.set_policy_version(learner.step)
+                try:
+                    # Nothing else inserts in a one-process run: waiting would not help.
+                    sampled = buffer.sample(bsz, timeout=0.0)
+                except SampleTimeout as err:
+                    log.info("round %d: update %d skipped: %s", rnd, k, err)
+                    break
+                batch = sampled.trajectories
+                if cfg.buffer.prioritized:
+                    weights = sampled.weights.tolist()
             staleness.extend(learner.step - t.policy_version for t in batch)
-            out = learner.update(batch)
+            out = learner.update(batch, weights)
             buffer.write_back(batch)
+            if cfg.buffer.prioritized:
+                buffer.update_priorities([t.traj_id for t in batch], out.delta.abs().tolist())
+            done += 1
             for key, value in out.metrics.items():
-                upd[key] = upd.get(key, 0.0) + value / cfg.learner.updates_per_round
+                upd[key] = upd.get(key, 0.0) + value
             metrics.updates.inc(0 if out.skipped else 1)
             metrics.skipped.inc(1 if out.skipped else 0)
+        upd = {key: value / max(done, 1) for key, value in upd.items()}
         if cfg.learner.ref_reset_steps and rnd % cfg.learner.ref_reset_steps == 0:
             learner.reset_reference()
         held = buffer.items()
@@ -185,6 +202,7 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
             "tokens": result.tokens,
             "buffer_size": len(buffer),
             "evicted": evicted,
+            "updates": done,
             "use_count_mean": sum(t.use_count for t in held) / max(len(held), 1),
             "staleness_mean": sum(staleness) / max(len(staleness), 1),
             "ref_version": learner.reference.version,
@@ -204,7 +222,6 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
         metrics.grad_norm.set(upd.get("grad_norm", 0.0))
         metrics.trajectories.inc(len(result.trajectories))
         metrics.tokens.inc(result.tokens)
-        metrics.buffer_size.set(len(buffer))
         history.append(record)
         if writer:
             writer.write(record)

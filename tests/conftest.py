@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import uuid
+
 import numpy as np
 import pytest
 
@@ -26,3 +29,37 @@ def make_traj(
 @pytest.fixture
 def traj_factory():
     return make_traj
+
+
+# -- Redis ---------------------------------------------------------------------------------------
+# Tests use the Redis on 127.0.0.1:6379 (or REVAL_TEST_REDIS_URL) under a key prefix of their own
+# and delete only keys under that prefix. `.ci/run` makes sure a Redis answers.
+
+REDIS_URL = os.environ.get("REVAL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
+    except redis.ConnectionError as err:
+        pytest.skip(
+            f"no Redis answers at {REDIS_URL} ({err}); start one or set REVAL_TEST_REDIS_URL"
+        )
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str):
+    """A key prefix unique to this test; its keys are deleted afterwards."""
+    import redis
+
+    prefix = f"reval-test:{os.getpid()}:{uuid.uuid4().hex[:8]}:"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()

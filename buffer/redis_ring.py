@@ -1,0 +1,447 @@
+"""The replay service's Redis backend: a per-run FIFO ring shared by every rollout worker and the
+learner, kept across restarts of any of them (and of Redis, with AOF on: see docs/buffer.md).
+
+Writes go through server-side Lua scripts (``buffer.redis_lua``), so concurrent producers and
+consumers see atomic inserts and samples. Faults: every call is retried with exponential backoff
+on a dropped connection or a restarting Redis; a producer that cannot reach Redis keeps its
+encoded batches in a bounded local spool and flushes them, in order, once Redis answers again (a
+retried batch that had in fact landed is not stored twice: inserts skip trajectory ids already
+held). The learner's ``sample`` keeps retrying until its timeout, then raises SampleTimeout.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import redis
+from redis.exceptions import BusyLoadingError, ResponseError
+
+from buffer.base import (
+    BufferStats,
+    BufferUnavailable,
+    SampledBatch,
+    SampleTimeout,
+    importance_weights,
+    priority_of,
+)
+from buffer.metrics import BufferMetrics
+from buffer.records import RecordError, Trajectory, decode, encode
+from buffer.redis_lua import INSERT, OPEN, PRIORITIES, QUARANTINE, SAMPLE, WRITE_BACK
+
+log = logging.getLogger("reval.buffer")
+T = TypeVar("T")
+
+# Errors worth a retry: the connection went away, timed out, or Redis is loading its AOF.
+RETRYABLE: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    BusyLoadingError,
+    ConnectionError,
+    OSError,
+)
+CHUNK_BYTES = 8 << 20  # one insert script call carries at most this much
+CHUNK_RECORDS = 2048
+
+
+def run_keys(prefix: str, run: str) -> list[str]:
+    """The run's keys (one hash tag, so a Redis Cluster keeps them together)."""
+    if not run or any(c in run for c in "{}: \n"):
+        raise ValueError(f"run id must be non-empty without braces, colons or spaces: {run!r}")
+    base = f"{prefix}{{{run}}}:"
+    return [base + k for k in ("meta", "ring", "ids", "tree")]
+
+
+class RedisRing:
+    """A ReplayBuffer on Redis. One instance per process (not shared across threads while
+    sampling; the underlying connection pool is thread-safe)."""
+
+    def __init__(
+        self,
+        run: str,
+        capacity: int,
+        *,
+        url: str = "redis://127.0.0.1:6379/0",
+        key_prefix: str = "reval:",
+        client: redis.Redis | None = None,
+        seed: int | None = None,
+        samples_per_insert: float | None = None,
+        rate_slack: int = 0,
+        min_size_to_sample: int = 0,
+        max_staleness: int | None = None,
+        prioritized: bool = False,
+        priority_alpha: float = 0.6,
+        priority_beta: float = 0.4,
+        priority_eps: float = 1e-3,
+        spool_max_bytes: int = 256 << 20,
+        retry_s: float = 30.0,
+        metrics: BufferMetrics | None = None,
+        max_record_bytes: int = 64 << 20,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.run = run
+        self._capacity = capacity
+        self.keys = run_keys(key_prefix, run)
+        self.client = client or redis.Redis.from_url(
+            url, socket_timeout=30, socket_connect_timeout=2, health_check_interval=15
+        )
+        self._rng = random.Random(seed)
+        self.samples_per_insert = samples_per_insert
+        self.rate_slack = rate_slack
+        self.min_size_to_sample = min_size_to_sample
+        self.max_staleness = max_staleness
+        self.prioritized = prioritized
+        self.alpha, self.beta, self.eps = priority_alpha, priority_beta, priority_eps
+        self.spool_max_bytes = spool_max_bytes
+        self.retry_s = retry_s
+        self.max_record_bytes = max_record_bytes
+        self.metrics = metrics
+        self._spool: deque[tuple[list[Any], int]] = deque()  # (script args, bytes)
+        self._spool_bytes = 0
+        self._spool_lock = threading.RLock()  # the spool keeps one process's batches in order
+        self.spool_dropped = 0
+        self._down_since: float | None = None
+        self._scripts = {
+            name: self.client.register_script(src)
+            for name, src in (
+                ("open", OPEN),
+                ("insert", INSERT),
+                ("sample", SAMPLE),
+                ("priorities", PRIORITIES),
+                ("write_back", WRITE_BACK),
+                ("quarantine", QUARANTINE),
+            )
+        }
+        if metrics is not None:
+            metrics.capacity.set(capacity)
+        self._script("open", [], retry_s=retry_s)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _script(self, name: str, args: Sequence[Any], retry_s: float | None = None) -> Any:
+        return self._retry(
+            lambda: self._scripts[name](keys=self.keys, args=[self._capacity, *args]),
+            self.retry_s if retry_s is None else retry_s,
+        )
+
+    def _retry(self, fn: Callable[[], T], budget_s: float) -> T:
+        deadline = time.monotonic() + budget_s
+        delay = 0.05
+        while True:
+            try:
+                out = fn()
+            except ResponseError as err:
+                if str(err).startswith("CAPACITY"):
+                    raise ValueError(f"run {self.run!r}: {err}") from None
+                raise
+            except RETRYABLE as err:
+                self._note_down(err)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BufferUnavailable(
+                        f"Redis unreachable for {budget_s:.1f}s: {err}"
+                    ) from err
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 2.0)
+                continue
+            if self._down_since is not None:
+                log.warning(
+                    "Redis answers again after %.1fs (run %s)",
+                    time.monotonic() - self._down_since,
+                    self.run,
+                )
+                self._down_since = None
+            return out
+
+    def _note_down(self, err: BaseException) -> None:
+        if self.metrics is not None:
+            self.metrics.backend_errors.inc()
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning("Redis call failed (run %s), retrying with backoff: %s", self.run, err)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def __len__(self) -> int:
+        head, tail = self._retry(
+            lambda: self.client.hmget(self.keys[0], "head", "tail"), self.retry_s
+        )
+        return int(head or 0) - int(tail or 0)
+
+    # -- producers ------------------------------------------------------------------------------
+
+    def insert(self, trajectories: Sequence[Trajectory]) -> int:
+        """Validate and encode all, then insert in order (chunks of at most 8 MB per round
+        trip). When Redis is unreachable the batch goes to the local spool and 0 is returned;
+        spooled batches are flushed first on the next call."""
+        blobs = []
+        for i, t in enumerate(trajectories):
+            try:
+                blobs.append(encode(t))
+            except RecordError as err:
+                self._count_rejected(1)
+                raise RecordError(f"record {i} ({t.traj_id!r}): {err}; batch not written") from None
+        with self._spool_lock:
+            chunk: list[Any] = [int(self.prioritized)]
+            size = 0
+            for t, b in zip(trajectories, blobs, strict=True):
+                chunk += [t.traj_id, t.policy_version, b]
+                size += len(b)
+                if size >= CHUNK_BYTES or len(chunk) > 3 * CHUNK_RECORDS:
+                    self._spool_push(chunk, size)
+                    chunk, size = [int(self.prioritized)], 0
+            if len(chunk) > 1:
+                self._spool_push(chunk, size)
+            return self.flush(retry_s=0.0)
+
+    def insert_encoded(self, blobs: Sequence[bytes]) -> tuple[int, int]:
+        """Insert records that arrive already encoded (from another process or over HTTP):
+        each is decoded and validated; bad ones are counted and skipped, good ones inserted.
+        Returns (inserted or spooled, rejected)."""
+        good: list[Trajectory] = []
+        rejected = 0
+        for b in blobs:
+            try:
+                good.append(decode(b, self.max_record_bytes))
+            except RecordError as err:
+                rejected += 1
+                log.warning("rejected a malformed record (run %s): %s", self.run, err)
+        if rejected:
+            self._count_rejected(rejected)
+        if good:
+            self.insert(good)
+        return len(good), rejected
+
+    def _count_rejected(self, n: int) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.inc(n)
+        try:
+            self.client.hincrby(self.keys[0], "rejected", n)
+        except RETRYABLE as err:
+            self._note_down(err)
+
+    def _spool_push(self, args: list[Any], nbytes: int) -> None:
+        with self._spool_lock:
+            self._spool_push_locked(args, nbytes)
+
+    def _spool_push_locked(self, args: list[Any], nbytes: int) -> None:
+        self._spool.append((args, nbytes))
+        self._spool_bytes += nbytes
+        while self._spool_bytes > self.spool_max_bytes and len(self._spool) > 1:
+            old, old_bytes = self._spool.popleft()
+            self._spool_bytes -= old_bytes
+            lost = (len(old) - 1) // 3
+            self.spool_dropped += lost
+            log.error(
+                "spool full (%d bytes): dropped %d oldest records", self.spool_max_bytes, lost
+            )
+            if self.metrics is not None:
+                self.metrics.spool_dropped.inc(lost)
+        self._set_spool_gauge()
+
+    def _set_spool_gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.spool_records.set(self.spooled)
+
+    @property
+    def spooled(self) -> int:
+        """Records waiting in the local spool."""
+        return sum((len(a) - 1) // 3 for a, _ in self._spool)
+
+    def flush(self, retry_s: float = 0.0) -> int:
+        """Send spooled batches in order; returns trajectories evicted. Keeps what could not be
+        sent (Redis unreachable for ``retry_s``)."""
+        with self._spool_lock:
+            return self._flush_locked(retry_s)
+
+    def _flush_locked(self, retry_s: float) -> int:
+        evicted = 0
+        while self._spool:
+            args, nbytes = self._spool[0]
+            try:
+                inserted, ev, _dup, size = self._script("insert", args, retry_s=retry_s)
+            except BufferUnavailable:
+                self._set_spool_gauge()
+                return evicted
+            self._spool.popleft()
+            self._spool_bytes -= nbytes
+            evicted += int(ev)
+            if self.metrics is not None:
+                self.metrics.inserts.inc(int(inserted))
+                self.metrics.evictions.inc(int(ev))
+                self.metrics.size.set(int(size))
+        self._set_spool_gauge()
+        return evicted
+
+    # -- the learner ----------------------------------------------------------------------------
+
+    def set_policy_version(self, version: int) -> None:
+        self._retry(lambda: self.client.hset(self.keys[0], "version", int(version)), self.retry_s)
+
+    def sample(self, batch_size: int, timeout: float = 0.0) -> SampledBatch:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if batch_size > self._capacity:
+            raise ValueError(
+                f"cannot sample {batch_size} from a buffer of capacity {self._capacity}"
+            )
+        start = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        waited = 0.0
+        dropped = 0
+        delay = 0.002
+        trajs: list[Trajectory] = []
+        probs: list[float] = []
+        versions: list[int] = []
+        version = size = skipped = 0
+        while len(trajs) < batch_size:
+            need = batch_size - len(trajs)
+            args = [
+                need,
+                self._rng.randrange(1, 2**31 - 1),
+                -1 if self.samples_per_insert is None else self.samples_per_insert,
+                self.rate_slack,
+                self.min_size_to_sample if not trajs else 0,
+                -1 if self.max_staleness is None else self.max_staleness,
+                int(self.prioritized),
+            ]
+            try:
+                out = self._script("sample", args, retry_s=max(0.0, deadline - time.monotonic()))
+            except BufferUnavailable as err:
+                raise SampleTimeout(str(err)) from err
+            if int(out[0]) == 0:
+                dropped += int(out[2])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SampleTimeout(out[1].decode() if isinstance(out[1], bytes) else out[1])
+                t0 = time.perf_counter()
+                time.sleep(min(delay, left))
+                waited += time.perf_counter() - t0
+                delay = min(delay * 2, 0.05)
+                continue
+            _, version, size, sk, dr, slots, blobs, uses, vers, ps = out
+            skipped += int(sk)
+            dropped += int(dr)
+            bad = []
+            for k, blob in enumerate(blobs):
+                try:
+                    t = decode(blob, self.max_record_bytes)
+                except RecordError as err:
+                    log.error("quarantined a malformed record in slot %s: %s", slots[k], err)
+                    bad.append(slots[k])
+                    continue
+                t.use_count = int(uses[k])
+                trajs.append(t)
+                versions.append(int(vers[k]))
+                if ps:
+                    probs.append(float(ps[k]))
+            if bad:
+                self._script("quarantine", bad)
+                if self.metrics is not None:
+                    self.metrics.rejected.inc(len(bad))
+        if self.prioritized:
+            weights = importance_weights(np.asarray(probs), int(size), self.beta)
+        else:
+            weights = np.ones(batch_size, dtype=np.float32)
+        staleness = int(version) - np.asarray(versions, dtype=np.int64)
+        batch = SampledBatch(trajs, weights, staleness, skipped + dropped, waited)
+        if self.metrics is not None:
+            self.metrics.observe_sample(
+                time.perf_counter() - start,
+                waited,
+                staleness.tolist(),
+                [t.use_count for t in trajs],
+            )
+            self.metrics.dropped_stale.inc(skipped + dropped)
+            self.metrics.size.set(int(size))
+        return batch
+
+    def update_priorities(self, traj_ids: Sequence[str], deltas: Sequence[float]) -> int:
+        if len(traj_ids) != len(deltas):
+            raise ValueError(f"{len(traj_ids)} ids but {len(deltas)} deltas")
+        if not self.prioritized or not traj_ids:
+            return 0
+        args: list[Any] = []
+        for tid, d in zip(traj_ids, deltas, strict=True):
+            args += [tid, repr(priority_of(d, self.alpha, self.eps))]
+        return int(self._script("priorities", args))
+
+    def write_back(self, trajectories: Sequence[Trajectory]) -> int:
+        if not trajectories:
+            return 0
+        args: list[Any] = []
+        for t in trajectories:
+            args += [t.traj_id, encode(t)]
+        return int(self._script("write_back", args))
+
+    def items(self) -> list[Trajectory]:
+        meta, ring = self.keys[0], self.keys[1]
+        head, tail = (
+            int(x or 0)
+            for x in self._retry(lambda: self.client.hmget(meta, "head", "tail"), self.retry_s)
+        )
+        out = []
+        for lo in range(tail, head, 512):
+            fields = []
+            for pos in range(lo, min(lo + 512, head)):
+                slot = pos % self._capacity
+                fields += [f"b{slot}", f"u{slot}"]
+            vals: list[Any] = self._retry(
+                functools.partial(self.client.hmget, ring, fields), self.retry_s
+            )
+            for k in range(0, len(vals), 2):
+                if vals[k] is None:
+                    continue  # quarantined or evicted meanwhile
+                t = decode(bytes(vals[k]), self.max_record_bytes)
+                t.use_count = int(vals[k + 1] or 0)
+                out.append(t)
+        return out
+
+    def stats(self) -> BufferStats:
+        fields = (
+            "capacity",
+            "head",
+            "tail",
+            "evicted",
+            "sampled",
+            "rejected",
+            "dropped",
+            "version",
+        )
+        vals = self._retry(lambda: self.client.hmget(self.keys[0], fields), self.retry_s)
+        v = {k: int(x or 0) for k, x in zip(fields, vals, strict=True)}
+        return BufferStats(
+            size=v["head"] - v["tail"],
+            capacity=v["capacity"] or self._capacity,
+            inserted=v["head"],
+            evicted=v["evicted"],
+            sampled=v["sampled"],
+            rejected=v["rejected"],
+            dropped_stale=v["dropped"],
+            policy_version=v["version"],
+        )
+
+    def delete(self) -> None:
+        """Remove the run's keys (its buffer and counters)."""
+        self._retry(lambda: self.client.delete(*self.keys), self.retry_s)
+
+    def reset(self) -> None:
+        self.delete()
+        self._script("open", [])
+
+    def close(self, flush_s: float = 5.0) -> None:
+        """Flush the spool (waiting up to ``flush_s`` for Redis) and close the connections."""
+        self.flush(retry_s=flush_s)
+        if self._spool:
+            log.error("closing with %d records still spooled (Redis unreachable)", self.spooled)
+        self.client.close()
