@@ -26,7 +26,8 @@ lint: $(STAMP)
 	$(BIN)/mypy $(LIGHT)
 
 test: lint
-	$(BIN)/python -m pytest -q
+	scripts/ensure_redis.sh
+	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

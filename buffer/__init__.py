@@ -32,9 +32,14 @@ __all__ = [
 
 
 def make_buffer(
-    cfg: Any, run: str, seed: int | None = 0, metrics: BufferMetrics | None = None
+    cfg: Any,
+    run: str,
+    seed: int | None = 0,
+    metrics: BufferMetrics | None = None,
+    reset: bool = False,
 ) -> ReplayBuffer:
-    """The buffer a ``BufferConfig`` describes, for run ``run``."""
+    """The buffer a ``BufferConfig`` describes, for run ``run`` (``reset``: start it empty,
+    whatever a previous run of the same id left in Redis)."""
     common: dict[str, Any] = {
         "samples_per_insert": cfg.samples_per_insert,
         "rate_slack": cfg.rate_slack,
@@ -58,6 +63,8 @@ def make_buffer(
             key_prefix=cfg.key_prefix,
             seed=seed,
             spool_max_bytes=int(cfg.spool_max_mb * (1 << 20)),
+            retry_s=cfg.sample_timeout_s,
+            reset=reset,
             **common,
         )
     raise ValueError(f"unknown buffer backend {cfg.backend!r}")

@@ -84,6 +84,8 @@ class RedisRing:
         retry_s: float = 30.0,
         metrics: BufferMetrics | None = None,
         max_record_bytes: int = 64 << 20,
+        reset: bool = False,
+        open_retry_s: float = 5.0,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -122,7 +124,15 @@ class RedisRing:
         }
         if metrics is not None:
             metrics.capacity.set(capacity)
-        self._script("open", [], retry_s=retry_s)
+        try:
+            if reset:
+                self._retry(lambda: self.client.delete(*self.keys), open_retry_s)
+            self._script("open", [], retry_s=open_retry_s)
+        except BufferUnavailable as err:
+            if reset:
+                raise
+            # A producer may start before Redis: every script creates the run when missing.
+            log.warning("run %s: Redis not reachable yet (%s); inserts will spool", run, err)
 
     # -- plumbing -------------------------------------------------------------------------------
 

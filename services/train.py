@@ -103,8 +103,8 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
         policy.model, cfg.learner, cfg.algo, policy.pad_id, policy.eos_id, policy.device
     )
     metrics = TrainMetrics()
-    buffer = make_buffer(cfg.buffer, cfg.name, cfg.seed, BufferMetrics(metrics.registry))
-    buffer.reset()  # a fresh run: a Redis run of the same name starts empty
+    # A fresh run: a Redis run of the same name starts empty.
+    buffer = make_buffer(cfg.buffer, cfg.name, cfg.seed, BufferMetrics(metrics.registry), True)
     if cfg.metrics.prometheus_port is not None:
         port = metrics.serve(cfg.metrics.prometheus_port)
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)

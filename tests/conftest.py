@@ -45,6 +45,8 @@ def redis_url() -> str:
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
     except redis.ConnectionError as err:
+        if os.environ.get("REVAL_REQUIRE_REDIS") == "1":
+            pytest.fail(f"no Redis answers at {REDIS_URL} ({err}) and REVAL_REQUIRE_REDIS=1")
         pytest.skip(
             f"no Redis answers at {REDIS_URL} ({err}); start one or set REVAL_TEST_REDIS_URL"
         )

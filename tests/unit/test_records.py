@@ -63,14 +63,14 @@ def test_missing_field_and_garbage():
         decode(encode(make_traj(1)), max_bytes=10)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=2000, deadline=None)
 @given(st.binary(max_size=400))
 def test_decoder_never_crashes_on_random_bytes(data):
     with contextlib.suppress(RecordError):
         decode(data)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=2000, deadline=None)
 @given(
     st.dictionaries(
         st.sampled_from(sorted(make_traj(0).to_wire())),

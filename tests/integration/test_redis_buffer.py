@@ -1,0 +1,310 @@
+"""The Redis replay service beyond the conformance suite: several producer processes, a Redis
+restart in the middle of a producer's stream (a redis-server of the test's own), dropped
+connections, the producer spool, restarted learners, corrupt records, isolated runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from buffer.base import SampleTimeout
+from buffer.metrics import BufferMetrics
+from buffer.records import RecordError, encode
+from buffer.redis_ring import RedisRing, run_keys
+from tests.conftest import make_traj
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _producer(url: str, prefix: str, tag: str, **kw: object) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "tests.integration.redis_producer", "--url", url]
+    cmd += ["--prefix", prefix, "--tag", tag]
+    for k, v in kw.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OwnRedis:
+    """A redis-server of the test's own (AOF everysec, as deploy/redis.conf) that it can stop,
+    kill and restart on the same port and data directory."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = _free_port()
+        self.dir = tmp
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_connect_timeout=0.2).ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM: a clean shutdown (AOF fsynced). SIGKILL: a crash."""
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed: cannot start a Redis of the test's own")
+    server = OwnRedis(tmp_path)
+    server.start()
+    yield server
+    if server.proc is not None:
+        server.stop(signal.SIGKILL)
+
+
+def test_producer_processes_and_a_consumer_lose_and_duplicate_nothing(redis_url, redis_prefix):
+    procs = [_producer(redis_url, redis_prefix, f"p{k}", count=400, batch=8) for k in range(4)]
+    learner = RedisRing("mp", 100_000, url=redis_url, key_prefix=redis_prefix, seed=0)
+    sampled = 0
+    while any(p.poll() is None for p in procs):
+        if len(learner) >= 32:
+            batch = learner.sample(32)
+            assert len(set(batch.traj_ids)) == 32
+            sampled += 32
+    for p in procs:
+        _out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    ids = [t.traj_id for t in learner.items()]
+    assert len(ids) == len(set(ids)) == 1600
+    for k in range(4):  # each producer's records in its own order
+        mine = [i for i in ids if i.startswith(f"p{k}-")]
+        assert mine == sorted(mine) and len(mine) == 400
+    s = learner.stats()
+    assert s.inserted == 1600 and s.sampled == sampled
+    assert sum(t.use_count for t in learner.items()) == sampled
+
+
+def test_redis_restart_mid_stream_loses_nothing(own_redis):
+    """A clean Redis restart (SIGTERM, AOF everysec) while a producer streams and the learner
+    waits: the producer spools and flushes, the learner's sample retries; every record lands
+    exactly once, in order."""
+    prefix = "reval-test:restart:"
+    p = _producer(own_redis.url, prefix, "r", count=1500, batch=10, sleep=0.004)
+    learner = RedisRing("mp", 100_000, url=own_redis.url, key_prefix=prefix, retry_s=30)
+    while len(learner) < 300:
+        time.sleep(0.02)
+    own_redis.stop(signal.SIGTERM)
+    got: dict[str, object] = {}
+
+    def sample_while_down() -> None:
+        try:
+            got["batch"] = learner.sample(16, timeout=20)
+        except Exception as err:  # pragma: no cover - asserted below
+            got["error"] = err
+
+    waiter = threading.Thread(target=sample_while_down)
+    waiter.start()
+    time.sleep(1.5)  # the producer keeps generating into its spool
+    own_redis.start()
+    out, err = p.communicate(timeout=120)
+    waiter.join(timeout=30)
+    assert p.returncode == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["max_spooled"] > 0 and report["left"] == 0 and report["dropped"] == 0
+    assert report["errors"] > 0
+    assert "Redis call failed" in err  # a clear log line
+    assert "error" not in got and len(got["batch"]) == 16  # type: ignore[arg-type]
+    ids = [t.traj_id for t in learner.items()]
+    assert ids == [f"r-{i:06d}" for i in range(1500)]
+    assert learner.stats().sampled == 16
+
+
+def test_redis_crash_keeps_the_ring_consistent(own_redis):
+    """SIGKILL (a crash): with AOF everysec up to about a second of writes may be lost, but the
+    ring stays consistent (counters match what is held, no duplicates) and the producer goes on."""
+    prefix = "reval-test:crash:"
+    p = _producer(own_redis.url, prefix, "c", count=1000, batch=10, sleep=0.004)
+    ring = RedisRing("mp", 100_000, url=own_redis.url, key_prefix=prefix, retry_s=30)
+    while len(ring) < 300:
+        time.sleep(0.02)
+    own_redis.stop(signal.SIGKILL)
+    time.sleep(0.5)
+    own_redis.start()
+    _out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    ids = [t.traj_id for t in ring.items()]
+    assert len(ids) == len(set(ids)) and ids == sorted(ids)
+    s = ring.stats()
+    assert s.size == len(ids) == ring.client.hlen(ring.keys[2])
+    assert len(ids) >= 1000 - 400  # at most ~1 s of a 250 records/s stream lost
+    assert ids[-1] == "c-000999"  # everything after the crash landed
+
+
+def test_dropped_connection_is_retried(own_redis):
+    ring = RedisRing("drop", 100, url=own_redis.url, key_prefix="t:")
+    ring.insert([make_traj(i) for i in range(4)])
+    admin = redis.Redis(port=own_redis.port)
+    killed = admin.client_kill_filter(_type="normal", skipme=True)
+    assert killed >= 1
+    ring.insert([make_traj(i) for i in range(4, 8)])
+    assert len(ring.sample(8)) == 8
+    assert [t.traj_id for t in ring.items()] == [f"t{i}" for i in range(8)]
+
+
+def test_spool_is_bounded_and_flushes_in_order(own_redis):
+    m = BufferMetrics()
+    size = len(encode(make_traj(0)))
+    ring = RedisRing(
+        "spool", 1000, url=own_redis.url, key_prefix="t:", metrics=m, spool_max_bytes=25 * size
+    )
+    ring.client.connection_pool.connection_kwargs["socket_timeout"] = 1.0
+    own_redis.stop()
+    t0 = time.perf_counter()
+    for k in range(6):  # 60 records, room for 25: the oldest batches are dropped
+        assert ring.insert([make_traj(10 * k + i) for i in range(10)]) == 0
+    assert time.perf_counter() - t0 < 10  # producers are not blocked by a dead Redis
+    assert ring.spooled <= 30
+    assert ring.spool_dropped == 60 - ring.spooled
+    assert m.registry.get_sample_value("reval_buffer_spool_dropped_total") == ring.spool_dropped
+    assert m.registry.get_sample_value("reval_buffer_spool_records") == ring.spooled
+    assert m.registry.get_sample_value("reval_buffer_backend_errors_total") >= 6
+    own_redis.start()
+    ring.flush(retry_s=10)
+    assert ring.spooled == 0
+    ids = [int(t.traj_id[1:]) for t in ring.items()]
+    assert ids == list(range(60 - len(ids), 60))  # the newest, in order
+    assert m.registry.get_sample_value("reval_buffer_spool_records") == 0
+
+
+def test_a_producer_may_start_before_redis(own_redis):
+    own_redis.stop()
+    ring = RedisRing("early", 10, url=own_redis.url, key_prefix="t:", open_retry_s=0.2)
+    ring.client.connection_pool.connection_kwargs["socket_timeout"] = 1.0
+    ring.insert([make_traj(0)])
+    assert ring.spooled == 1
+    own_redis.start()
+    ring.flush(retry_s=10)
+    assert [t.traj_id for t in ring.items()] == ["t0"]
+
+
+def test_a_restarted_learner_finds_the_buffer_intact(redis_url, redis_prefix):
+    kw = {"url": redis_url, "key_prefix": redis_prefix, "samples_per_insert": 2.0}
+    first = RedisRing("run", 8, seed=1, **kw)
+    first.insert([make_traj(i, version=i) for i in range(10)])
+    first.sample(8)
+    first.set_policy_version(12)
+    before = first.stats()
+    first.client.close()
+    del first
+    again = RedisRing("run", 8, seed=2, **kw)  # a new process would do exactly this
+    assert again.stats() == before
+    assert [t.traj_id for t in again.items()] == [f"t{i}" for i in range(2, 10)]
+    assert sum(t.use_count for t in again.items()) == 8
+    again.sample(8)
+    assert again.stats().sampled == 16
+    with pytest.raises(SampleTimeout, match="rate limited"):  # 24 > 2 x 10: the limiter persists
+        again.sample(8)
+
+
+def test_runs_are_isolated_and_capacity_is_per_run(redis_url, redis_prefix):
+    kw = {"url": redis_url, "key_prefix": redis_prefix}
+    a = RedisRing("a", 4, **kw)
+    b = RedisRing("b", 9, **kw)
+    a.insert([make_traj(i) for i in range(6)])
+    b.insert([make_traj(i) for i in range(6)])
+    assert (len(a), len(b)) == (4, 6)
+    with pytest.raises(ValueError, match="capacity 4 but the client asks for 9"):
+        RedisRing("a", 9, **kw)
+    c = RedisRing("a", 9, reset=True, **kw)  # a new run under the same id, new M
+    assert len(c) == 0 and c.stats().capacity == 9
+    c.insert([make_traj(i) for i in range(12)])
+    assert [t.traj_id for t in c.items()] == [f"t{i}" for i in range(3, 12)]
+    assert len(b) == 6
+    with pytest.raises(ValueError, match="run id"):
+        run_keys("p:", "bad:run")
+
+
+def test_a_corrupt_record_in_redis_is_quarantined_and_counted(redis_url, redis_prefix):
+    m = BufferMetrics()
+    ring = RedisRing("c", 6, url=redis_url, key_prefix=redis_prefix, metrics=m, seed=4)
+    ring.insert([make_traj(i) for i in range(6)])
+    ring.client.hset(ring.keys[1], "b2", b"\x93not a record")  # a foreign writer's garbage
+    batch = ring.sample(5)
+    assert len(batch) == 5 and "t2" not in batch.traj_ids
+    assert ring.stats().rejected == 1
+    assert m.registry.get_sample_value("reval_buffer_rejected_total") == 1
+    assert "t2" not in [t.traj_id for t in ring.items()]
+    with pytest.raises(SampleTimeout):
+        ring.sample(6)  # only 5 usable remain
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(junk=st.lists(st.binary(max_size=300), min_size=1, max_size=8), good=st.integers(0, 4))
+def test_encoded_records_from_outside_are_checked(redis_url, redis_prefix, junk, good):
+    ring = RedisRing("enc", 1000, url=redis_url, key_prefix=redis_prefix, reset=True)
+    blobs = [encode(make_traj(i)) for i in range(good)] + junk
+    inserted, rejected = ring.insert_encoded(blobs)
+    assert inserted + rejected == len(blobs)
+    assert inserted >= good and len(ring) == inserted
+    assert ring.stats().rejected == rejected
+
+
+def test_bad_record_message_names_it(redis_url, redis_prefix):
+    ring = RedisRing("bad", 10, url=redis_url, key_prefix=redis_prefix)
+    t = make_traj(3)
+    t.response_ids = t.response_ids[:-1]
+    with pytest.raises(RecordError, match=r"record 0 \('t3'\).*log-probs"):
+        ring.insert([t])
+    assert len(ring) == 0
+
+
+def test_keys_live_under_the_prefix_only(redis_url, redis_prefix):
+    ring = RedisRing("k", 10, url=redis_url, key_prefix=redis_prefix, prioritized=True)
+    ring.insert([make_traj(0)])
+    keys = {k.decode() for k in ring.client.scan_iter(match=redis_prefix + "*")}
+    assert keys == set(run_keys(redis_prefix, "k"))
