@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -143,6 +144,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "ref_value": (float, int),
     "use_count": (int,),
 }
+_FIELDS = frozenset(_TYPES) | {"v"}
 
 
 def encode(traj: Trajectory) -> bytes:
@@ -152,14 +154,62 @@ def encode(traj: Trajectory) -> bytes:
     return packed
 
 
+def encode_many(trajs: Sequence[Trajectory]) -> list[bytes]:
+    """Validate a batch (array checks vectorized over the batch) and pack each record; the first
+    bad record raises RecordError naming its index and id."""
+    validate_many(trajs)
+    packb = msgpack.packb
+    return [packb(t.to_wire(), use_bin_type=True) for t in trajs]
+
+
+def validate_many(trajs: Sequence[Trajectory]) -> None:
+    """``validate`` for a batch, with the array checks done once over the concatenated batch;
+    raises RecordError("record i ('id'): ...") for the first bad one."""
+    if not trajs:
+        return
+    try:
+        for t in trajs:
+            _check_scalars(t)
+        ids = np.concatenate([a for t in trajs for a in (t.prompt_ids, t.response_ids)])
+        lps = np.concatenate([t.logprobs for t in trajs])
+        ok = ids.min() >= 0 and bool(lps.min() > -np.inf) and bool(lps.max() <= 1e-4)
+    except (RecordError, ValueError, TypeError, AttributeError):
+        ok = False
+    if ok:
+        return
+    for i, t in enumerate(trajs):  # slow path: find the culprit
+        try:
+            t.validate()
+        except RecordError as err:
+            raise RecordError(f"record {i} ({t.traj_id!r}): {err}") from None
+
+
+def _check_scalars(t: Trajectory) -> None:
+    """Everything ``validate`` checks except the array contents."""
+    p, r, lp = t.prompt_ids, t.response_ids, t.logprobs
+    if p.ndim != 1 or r.ndim != 1 or lp.ndim != 1:
+        raise RecordError("token and log-prob arrays must be one-dimensional")
+    if not p.size or not r.size or lp.size != r.size or p.size + r.size > MAX_TOKENS:
+        raise RecordError("bad array sizes")
+    if not (
+        math.isfinite(t.reward_raw)
+        and math.isfinite(t.reward)
+        and math.isfinite(t.ref_logprob_sum)
+        and math.isfinite(t.ref_value)
+    ):
+        raise RecordError("non-finite value")
+    if t.finish_reason not in _FINISH_REASONS or t.policy_version < 0 or t.use_count < 0:
+        raise RecordError("bad finish_reason, policy_version or use_count")
+
+
 def _array(raw: bytes, dtype: type[np.generic], name: str) -> npt.NDArray[Any]:
     if len(raw) % np.dtype(dtype).itemsize:
         raise RecordError(f"{name}: {len(raw)} bytes is not a whole number of {dtype.__name__}")
-    return np.frombuffer(raw, dtype=dtype).copy()
+    return np.frombuffer(raw, dtype=dtype)  # read-only, zero-copy view of the record's bytes
 
 
-def decode(data: bytes, max_bytes: int = 64 << 20) -> Trajectory:
-    """Unpack and validate a record; any defect raises RecordError."""
+def _unpack(data: Any, max_bytes: int) -> Trajectory:
+    """Unpack and check structure and types; the array contents are not checked yet."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise RecordError(f"expected bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
@@ -171,36 +221,70 @@ def decode(data: bytes, max_bytes: int = 64 << 20) -> Trajectory:
     if not isinstance(obj, dict):
         raise RecordError("record is not a map")
     version = obj.get("v")
-    if version != SCHEMA_VERSION:
+    if version != SCHEMA_VERSION or type(version) is not int:
         raise RecordError(f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
-    missing = set(_TYPES) - set(obj)
-    if missing:
-        raise RecordError(f"missing fields: {sorted(missing)}")
-    unknown = set(obj) - set(_TYPES) - {"v"}
-    if unknown:
-        raise RecordError(f"unknown fields: {sorted(unknown)}")
+    if len(obj) != len(_FIELDS) or not _FIELDS.issuperset(obj):
+        missing = set(_TYPES) - set(obj)
+        if missing:
+            raise RecordError(f"missing fields: {sorted(missing)}")
+        raise RecordError(f"unknown fields: {sorted(set(obj) - _FIELDS)}")
     for name, types in _TYPES.items():
-        value = obj[name]
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise RecordError(f"{name}: wrong type {type(value).__name__}")
-    traj = Trajectory(
-        prompt_ids=_array(obj["prompt_ids"], np.int32, "prompt_ids"),
-        response_ids=_array(obj["response_ids"], np.int32, "response_ids"),
-        logprobs=_array(obj["logprobs"], np.float32, "logprobs"),
-        reward_raw=float(obj["reward_raw"]),
-        reward=float(obj["reward"]),
-        prompt_id=obj["prompt_id"],
-        group_id=obj["group_id"],
-        finish_reason=obj["finish_reason"],
-        policy_version=obj["policy_version"],
-        worker_id=obj["worker_id"],
-        run_id=obj["run_id"],
-        traj_id=obj["traj_id"],
-        created_at=float(obj["created_at"]),
-        ref_version=obj["ref_version"],
-        ref_logprob_sum=float(obj["ref_logprob_sum"]),
-        ref_value=float(obj["ref_value"]),
-        use_count=obj["use_count"],
-    )
+        if type(obj[name]) not in types:  # exact types: a bool is not an int here
+            raise RecordError(f"{name}: wrong type {type(obj[name]).__name__}")
+    t = Trajectory.__new__(Trajectory)  # the fields are checked: skip __post_init__'s copies
+    t.prompt_ids = _array(obj["prompt_ids"], np.int32, "prompt_ids")
+    t.response_ids = _array(obj["response_ids"], np.int32, "response_ids")
+    t.logprobs = _array(obj["logprobs"], np.float32, "logprobs")
+    t.reward_raw = float(obj["reward_raw"])
+    t.reward = float(obj["reward"])
+    t.prompt_id = obj["prompt_id"]
+    t.group_id = obj["group_id"]
+    t.finish_reason = obj["finish_reason"]
+    t.policy_version = obj["policy_version"]
+    t.worker_id = obj["worker_id"]
+    t.run_id = obj["run_id"]
+    t.traj_id = obj["traj_id"]
+    t.created_at = float(obj["created_at"])
+    t.ref_version = obj["ref_version"]
+    t.ref_logprob_sum = float(obj["ref_logprob_sum"])
+    t.ref_value = float(obj["ref_value"])
+    t.use_count = obj["use_count"]
+    return t
+
+
+def decode(data: bytes, max_bytes: int = 64 << 20) -> Trajectory:
+    """Unpack and validate a record; any defect raises RecordError. Its arrays are read-only
+    views of ``data``."""
+    traj = _unpack(data, max_bytes)
     traj.validate()
     return traj
+
+
+def decode_many(
+    blobs: Sequence[Any], max_bytes: int = 64 << 20
+) -> tuple[list[Trajectory], list[tuple[int, RecordError]]]:
+    """Decode a batch: (the good records in order, [(index, error)] of the bad ones). The array
+    checks run once over the batch; only a batch with a defect pays for per-record checks."""
+    good: list[Trajectory] = []
+    where: list[int] = []
+    bad: list[tuple[int, RecordError]] = []
+    for i, b in enumerate(blobs):
+        try:
+            good.append(_unpack(b, max_bytes))
+            where.append(i)
+        except RecordError as err:
+            bad.append((i, err))
+    try:
+        validate_many(good)
+        return good, bad
+    except RecordError:
+        pass
+    ok = []
+    for i, t in zip(where, good, strict=True):
+        try:
+            t.validate()
+            ok.append(t)
+        except RecordError as err:
+            bad.append((i, err))
+    bad.sort(key=lambda x: x[0])
+    return ok, bad

@@ -2,17 +2,22 @@
 consumers can share a run. Keys of a run (one hash tag, so they share a cluster slot):
 
 - ``meta`` (hash): capacity, head, tail, evicted, sampled, rejected, dropped, version, maxp, leaves
-- ``ring`` (hash): per slot ``b<slot>`` record bytes, ``i<slot>`` trajectory id, ``v<slot>``
-  policy version, ``u<slot>`` use count
+- ``ring`` (hash): per slot ``i<slot>`` trajectory id, ``v<slot>`` policy version, ``u<slot>``
+  use count, ``r<slot>`` the reference quantities written back by the learner (msgpack)
 - ``ids`` (hash): trajectory id -> position (held trajectories only)
 - ``tree`` (hash): the sum tree of priorities, node -> sum (prioritized runs only)
+- ``r:<trajectory id>`` (string): the record's bytes. Producers write them with a plain MSET in
+  the same MULTI/EXEC as the INSERT script (so record bytes never pass through Lua, which copies
+  them twice, and nothing is half-written); the learner reads them with a plain MGET after the
+  SAMPLE script picked the ids. The scripts touch these keys by name (KEYS[5] is their prefix);
+  they share the run's hash tag, so this also holds on Redis Cluster.
 """
 
 from __future__ import annotations
 
 # KEYS: meta ring ids tree. ARGV[1] = capacity. Creates missing fields only, checks capacity.
 _PRELUDE = """
-local meta, ring, ids, tree = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local meta, ring, ids, tree, rec = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local cap = tonumber(ARGV[1])
 local function ensure()
   local leaves = 1
@@ -55,8 +60,8 @@ return redis.call('HMGET', meta, 'head', 'tail')
 """
 )
 
-# ARGV: capacity, prioritized (0/1), then (traj_id, version, bytes) per record.
-# Returns {inserted, evicted, duplicates, size}.
+# ARGV: capacity, prioritized (0/1), then (traj_id, version) per record, whose bytes the same
+# transaction has just written to rec .. traj_id. Returns {inserted, evicted, duplicates, size}.
 INSERT = (
     _PRELUDE
     + """
@@ -67,24 +72,80 @@ local m = redis.call('HMGET', meta, 'head', 'tail', 'maxp', 'leaves')
 local head, tail, maxp = tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
 leaves = tonumber(m[4])
 local inserted, evicted, dup = 0, 0, 0
-for k = 3, #ARGV, 3 do
-  local tid, ver, blob = ARGV[k], ARGV[k + 1], ARGV[k + 2]
-  if redis.call('HEXISTS', ids, tid) == 1 then
+-- Batched: a handful of calls per chunk of 1000 records instead of several per record.
+local function chunked(cmd, key, list)
+  for k = 1, #list, 4000 do
+    redis.call(cmd, key, unpack(list, k, math.min(k + 3999, #list)))
+  end
+end
+local tids = {}
+for k = 3, #ARGV, 2 do tids[#tids + 1] = ARGV[k] end
+local held = {}
+for k = 1, #tids, 4000 do
+  local got = redis.call('HMGET', ids, unpack(tids, k, math.min(k + 3999, #tids)))
+  for j = 1, #got do held[k + j - 1] = got[j] end
+end
+local seen = {}
+local ringset, idset, rdel, olds = {}, {}, {}, {}
+local prio_slots = {}
+for j, tid in ipairs(tids) do
+  if held[j] or seen[tid] then
     dup = dup + 1
   else
+    seen[tid] = true
     local slot = head % cap
     if head - cap >= tail then
-      local old = redis.call('HGET', ring, 'i' .. slot)
-      if old then redis.call('HDEL', ids, old) end
+      olds[#olds + 1] = 'i' .. slot
       tail = tail + 1
       evicted = evicted + 1
     end
-    redis.call('HSET', ring, 'b' .. slot, blob, 'i' .. slot, tid, 'v' .. slot, ver, 'u' .. slot, 0)
-    redis.call('HSET', ids, tid, head)
-    if prio then tset(slot, maxp) end
+    local n = #ringset
+    ringset[n + 1] = 'i' .. slot
+    ringset[n + 2] = tid
+    ringset[n + 3] = 'v' .. slot
+    ringset[n + 4] = ARGV[2 * j + 2]
+    ringset[n + 5] = 'u' .. slot
+    ringset[n + 6] = 0
+    rdel[#rdel + 1] = 'r' .. slot
+    idset[#idset + 1] = tid
+    idset[#idset + 1] = head
+    prio_slots[#prio_slots + 1] = slot
     head = head + 1
     inserted = inserted + 1
   end
+end
+-- The evicted ids are read before their slots are overwritten. A batch longer than M evicts
+-- some of its own records: those are found from the order of its writes.
+local evict_ids = {}
+if #olds > 0 then
+  for k = 1, #olds, 4000 do
+    local got = redis.call('HMGET', ring, unpack(olds, k, math.min(k + 3999, #olds)))
+    for j = 1, #got do
+      if got[j] then evict_ids[#evict_ids + 1] = got[j] end
+    end
+  end
+  local last = {}
+  for k = 1, #ringset, 6 do
+    local f = ringset[k]
+    if last[f] then evict_ids[#evict_ids + 1] = last[f] end
+    last[f] = ringset[k + 1]
+  end
+end
+if #ringset > 0 then
+  chunked('HSET', ring, ringset)
+  chunked('HDEL', ring, rdel)
+  chunked('HSET', ids, idset)
+end
+if #evict_ids > 0 then  -- after the HSETs: a record of this batch may be among them
+  chunked('HDEL', ids, evict_ids)
+  local keys = {}
+  for j, tid in ipairs(evict_ids) do keys[j] = rec .. tid end
+  for k = 1, #keys, 4000 do
+    redis.call('DEL', unpack(keys, k, math.min(k + 3999, #keys)))
+  end
+end
+if prio then
+  for _, slot in ipairs(prio_slots) do tset(slot, maxp) end
 end
 redis.call('HSET', meta, 'head', head, 'tail', tail)
 redis.call('HINCRBY', meta, 'evicted', evicted)
@@ -95,7 +156,8 @@ return {inserted, evicted, dup, head - tail}
 # ARGV: capacity, batch, seed (1..2^31-2), samples_per_insert (<0: off), slack, min_size,
 # max_staleness (<0: off), prioritized (0/1).
 # Returns {0, reason, dropped} when it cannot hand out a batch, else
-# {1, version, size, skipped, dropped, slots, blobs, uses, versions, probs}.
+# {1, version, size, skipped, dropped, slots, ids, uses, versions, refs, probs}; the caller then
+# reads the records' bytes with MGET.
 SAMPLE = (
     _PRELUDE
     + """
@@ -120,8 +182,11 @@ if max_stale >= 0 then
     local v = redis.call('HGET', ring, 'v' .. slot)
     if v and tonumber(v) >= floor then break end
     local tid = redis.call('HGET', ring, 'i' .. slot)
-    if tid then redis.call('HDEL', ids, tid) end
-    redis.call('HDEL', ring, 'b' .. slot, 'i' .. slot, 'v' .. slot, 'u' .. slot)
+    if tid then
+      redis.call('HDEL', ids, tid)
+      redis.call('DEL', rec .. tid)
+    end
+    redis.call('HDEL', ring, 'i' .. slot, 'v' .. slot, 'u' .. slot, 'r' .. slot)
     if prio then tset(slot, 0) end
     tail = tail + 1
     dropped = dropped + 1
@@ -143,22 +208,40 @@ if spi >= 0 and sampled + B > spi * head + slack then
 end
 local slots, versions, probs = {}, {}, {}
 local skipped = 0
+local function hmget_all(fields)
+  local out = {}
+  for k = 1, #fields, 4000 do
+    local got = redis.call('HMGET', ring, unpack(fields, k, math.min(k + 3999, #fields)))
+    for j = 1, #got do out[k + j - 1] = got[j] end
+  end
+  return out
+end
 if not prio then
+  -- Partial Fisher-Yates over the window's offsets, in rounds: draw what is missing, read the
+  -- versions in one call, keep the fresh ones.
   local swaps = {}
   local i = 0
   while #slots < B and i < n do
-    local j = i + math.floor(rnd() * (n - i))
-    local vi, vj = swaps[i] or i, swaps[j] or j
-    swaps[j] = vi
-    local slot = (tail + vj) % cap
-    local v = redis.call('HGET', ring, 'v' .. slot)
-    if not v or (floor and tonumber(v) < floor) then
-      skipped = skipped + 1
-    else
-      slots[#slots + 1] = slot
-      versions[#versions + 1] = tonumber(v)
+    local cand, vf = {}, {}
+    while #cand < B - #slots and i < n do
+      local j = i + math.floor(rnd() * (n - i))
+      local vi, vj = swaps[i] or i, swaps[j] or j
+      swaps[j] = vi
+      local slot = (tail + vj) % cap
+      cand[#cand + 1] = slot
+      vf[#vf + 1] = 'v' .. slot
+      i = i + 1
     end
-    i = i + 1
+    local vs = hmget_all(vf)
+    for k, slot in ipairs(cand) do
+      local v = vs[k]
+      if not v or (floor and tonumber(v) < floor) then
+        skipped = skipped + 1
+      else
+        slots[#slots + 1] = slot
+        versions[#versions + 1] = tonumber(v)
+      end
+    end
   end
 else
   local total = tget(1)
@@ -197,19 +280,24 @@ if skipped > 0 then redis.call('HINCRBY', meta, 'dropped', skipped) end
 if #slots < B then
   return {0, 'fewer than ' .. B .. ' trajectories within max_staleness', dropped + skipped}
 end
-local fields = {}
-local uses = {}
+local ifields, rfields, ufields = {}, {}, {}
 for k, slot in ipairs(slots) do
-  fields[k] = 'b' .. slot
-  uses[k] = redis.call('HINCRBY', ring, 'u' .. slot, 1)
+  ifields[k] = 'i' .. slot
+  rfields[k] = 'r' .. slot
+  ufields[k] = 'u' .. slot
 end
-local blobs = {}
-for k = 1, #fields, 1000 do
-  local chunk = redis.call('HMGET', ring, unpack(fields, k, math.min(k + 999, #fields)))
-  for _, b in ipairs(chunk) do blobs[#blobs + 1] = b end
+local tids, refs, uses = hmget_all(ifields), hmget_all(rfields), hmget_all(ufields)
+local uset = {}
+for k = 1, #slots do
+  uses[k] = (tonumber(uses[k]) or 0) + 1
+  uset[2 * k - 1] = ufields[k]
+  uset[2 * k] = uses[k]
+end
+for k = 1, #uset, 4000 do
+  redis.call('HSET', ring, unpack(uset, k, math.min(k + 3999, #uset)))
 end
 redis.call('HINCRBY', meta, 'sampled', B)
-return {1, version, n, skipped, dropped, slots, blobs, uses, versions, probs}
+return {1, version, n, skipped, dropped, slots, tids, uses, versions, refs, probs}
 """
 )
 
@@ -237,7 +325,7 @@ return found
 """
 )
 
-# ARGV: capacity, then (traj_id, bytes) pairs. Replaces the stored bytes of held ones.
+# ARGV: capacity, then (traj_id, packed reference quantities) pairs, stored for held ones.
 WRITE_BACK = (
     _PRELUDE
     + """
@@ -247,7 +335,7 @@ local found = 0
 for k = 2, #ARGV, 2 do
   local pos = redis.call('HGET', ids, ARGV[k])
   if pos then
-    redis.call('HSET', ring, 'b' .. (tonumber(pos) % cap), ARGV[k + 1])
+    redis.call('HSET', ring, 'r' .. (tonumber(pos) % cap), ARGV[k + 1])
     found = found + 1
   end
 end
@@ -266,8 +354,11 @@ leaves = tonumber(redis.call('HGET', meta, 'leaves'))
 for k = 2, #ARGV do
   local slot = ARGV[k]
   local tid = redis.call('HGET', ring, 'i' .. slot)
-  if tid then redis.call('HDEL', ids, tid) end
-  redis.call('HDEL', ring, 'b' .. slot, 'i' .. slot, 'v' .. slot, 'u' .. slot)
+  if tid then
+    redis.call('HDEL', ids, tid)
+    redis.call('DEL', rec .. tid)
+  end
+  redis.call('HDEL', ring, 'i' .. slot, 'v' .. slot, 'u' .. slot, 'r' .. slot)
   if redis.call('EXISTS', tree) == 1 then tset(tonumber(slot), 0) end
 end
 redis.call('HINCRBY', meta, 'rejected', #ARGV - 1)

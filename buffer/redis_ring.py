@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgpack
 import numpy as np
 import redis
 from redis.exceptions import BusyLoadingError, ResponseError
@@ -33,7 +36,7 @@ from buffer.base import (
     priority_of,
 )
 from buffer.metrics import BufferMetrics
-from buffer.records import RecordError, Trajectory, decode, encode
+from buffer.records import RecordError, Trajectory, decode_many, encode_many
 from buffer.redis_lua import INSERT, OPEN, PRIORITIES, QUARANTINE, SAMPLE, WRITE_BACK
 
 log = logging.getLogger("reval.buffer")
@@ -56,7 +59,43 @@ def run_keys(prefix: str, run: str) -> list[str]:
     if not run or any(c in run for c in "{}: \n"):
         raise ValueError(f"run id must be non-empty without braces, colons or spaces: {run!r}")
     base = f"{prefix}{{{run}}}:"
-    return [base + k for k in ("meta", "ring", "ids", "tree")]
+    return [base + k for k in ("meta", "ring", "ids", "tree", "r:")]
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _pack_ref(t: Trajectory) -> bytes:
+    if not (math.isfinite(t.ref_logprob_sum) and math.isfinite(t.ref_value)):
+        raise RecordError(f"{t.traj_id!r}: cached reference quantities are not finite")
+    ref_version = None if t.ref_version is None else int(t.ref_version)
+    packed: bytes = msgpack.packb([ref_version, float(t.ref_logprob_sum), float(t.ref_value)])
+    return packed
+
+
+def _apply_ref(t: Trajectory, packed: bytes | None) -> None:
+    if packed is None:
+        return
+    try:
+        ref_version, slp, v1 = msgpack.unpackb(packed)
+        t.ref_version = None if ref_version is None else int(ref_version)
+        t.ref_logprob_sum, t.ref_value = float(slp), float(v1)
+    except (ValueError, TypeError) as err:
+        log.error("ignored malformed reference quantities of %s: %s", t.traj_id, err)
+
+
+@dataclass
+class _Chunk:
+    """One insert round trip: the records' bytes by key, and the INSERT script's arguments."""
+
+    records: dict[str, bytes]
+    args: list[Any]
+    nbytes: int
+
+    @property
+    def count(self) -> int:
+        return len(self.records)
 
 
 class RedisRing:
@@ -106,7 +145,7 @@ class RedisRing:
         self.retry_s = retry_s
         self.max_record_bytes = max_record_bytes
         self.metrics = metrics
-        self._spool: deque[tuple[list[Any], int]] = deque()  # (script args, bytes)
+        self._spool: deque[_Chunk] = deque()
         self._spool_bytes = 0
         self._spool_lock = threading.RLock()  # the spool keeps one process's batches in order
         self.spool_dropped = 0
@@ -126,7 +165,7 @@ class RedisRing:
             metrics.capacity.set(capacity)
         try:
             if reset:
-                self._retry(lambda: self.client.delete(*self.keys), open_retry_s)
+                self._retry(self._delete, open_retry_s)
             self._script("open", [], retry_s=open_retry_s)
         except BufferUnavailable as err:
             if reset:
@@ -191,41 +230,38 @@ class RedisRing:
     # -- producers ------------------------------------------------------------------------------
 
     def insert(self, trajectories: Sequence[Trajectory]) -> int:
-        """Validate and encode all, then insert in order (chunks of at most 8 MB per round
-        trip). When Redis is unreachable the batch goes to the local spool and 0 is returned;
-        spooled batches are flushed first on the next call."""
-        blobs = []
-        for i, t in enumerate(trajectories):
-            try:
-                blobs.append(encode(t))
-            except RecordError as err:
-                self._count_rejected(1)
-                raise RecordError(f"record {i} ({t.traj_id!r}): {err}; batch not written") from None
+        """Validate and encode all, then insert in order: per chunk of at most 8 MB, one
+        MULTI/EXEC round trip of MSET (the records' bytes) and the INSERT script (the ring's
+        bookkeeping). When Redis is unreachable the batch goes to the local spool and 0 is
+        returned (``spooled`` says how many wait); spooled chunks are sent first on the next
+        call, and by ``flush``/``close``."""
+        try:
+            blobs = encode_many(trajectories)
+        except RecordError as err:
+            self._count_rejected(1)
+            raise RecordError(f"{err}; batch not written") from None
         with self._spool_lock:
-            chunk: list[Any] = [int(self.prioritized)]
-            size = 0
+            rec = self.keys[4]
+            chunk = _Chunk({}, [int(self.prioritized)], 0)
             for t, b in zip(trajectories, blobs, strict=True):
-                chunk += [t.traj_id, t.policy_version, b]
-                size += len(b)
-                if size >= CHUNK_BYTES or len(chunk) > 3 * CHUNK_RECORDS:
-                    self._spool_push(chunk, size)
-                    chunk, size = [int(self.prioritized)], 0
-            if len(chunk) > 1:
-                self._spool_push(chunk, size)
+                chunk.records[rec + t.traj_id] = b
+                chunk.args += [t.traj_id, t.policy_version]
+                chunk.nbytes += len(b)
+                if chunk.nbytes >= CHUNK_BYTES or len(chunk.records) >= CHUNK_RECORDS:
+                    self._spool_push(chunk)
+                    chunk = _Chunk({}, [int(self.prioritized)], 0)
+            if chunk.records:
+                self._spool_push(chunk)
             return self.flush(retry_s=0.0)
 
     def insert_encoded(self, blobs: Sequence[bytes]) -> tuple[int, int]:
         """Insert records that arrive already encoded (from another process or over HTTP):
         each is decoded and validated; bad ones are counted and skipped, good ones inserted.
         Returns (inserted or spooled, rejected)."""
-        good: list[Trajectory] = []
-        rejected = 0
-        for b in blobs:
-            try:
-                good.append(decode(b, self.max_record_bytes))
-            except RecordError as err:
-                rejected += 1
-                log.warning("rejected a malformed record (run %s): %s", self.run, err)
+        good, bad = decode_many(blobs, self.max_record_bytes)
+        for i, err in bad:
+            log.warning("rejected malformed record %d (run %s): %s", i, self.run, err)
+        rejected = len(bad)
         if rejected:
             self._count_rejected(rejected)
         if good:
@@ -240,24 +276,22 @@ class RedisRing:
         except RETRYABLE as err:
             self._note_down(err)
 
-    def _spool_push(self, args: list[Any], nbytes: int) -> None:
+    def _spool_push(self, chunk: _Chunk) -> None:
         with self._spool_lock:
-            self._spool_push_locked(args, nbytes)
-
-    def _spool_push_locked(self, args: list[Any], nbytes: int) -> None:
-        self._spool.append((args, nbytes))
-        self._spool_bytes += nbytes
-        while self._spool_bytes > self.spool_max_bytes and len(self._spool) > 1:
-            old, old_bytes = self._spool.popleft()
-            self._spool_bytes -= old_bytes
-            lost = (len(old) - 1) // 3
-            self.spool_dropped += lost
-            log.error(
-                "spool full (%d bytes): dropped %d oldest records", self.spool_max_bytes, lost
-            )
-            if self.metrics is not None:
-                self.metrics.spool_dropped.inc(lost)
-        self._set_spool_gauge()
+            self._spool.append(chunk)
+            self._spool_bytes += chunk.nbytes
+            while self._spool_bytes > self.spool_max_bytes and len(self._spool) > 1:
+                old = self._spool.popleft()
+                self._spool_bytes -= old.nbytes
+                self.spool_dropped += old.count
+                log.error(
+                    "spool full (%d bytes): dropped %d oldest records",
+                    self.spool_max_bytes,
+                    old.count,
+                )
+                if self.metrics is not None:
+                    self.metrics.spool_dropped.inc(old.count)
+            self._set_spool_gauge()
 
     def _set_spool_gauge(self) -> None:
         if self.metrics is not None:
@@ -266,7 +300,7 @@ class RedisRing:
     @property
     def spooled(self) -> int:
         """Records waiting in the local spool."""
-        return sum((len(a) - 1) // 3 for a, _ in self._spool)
+        return sum(c.count for c in self._spool)
 
     def flush(self, retry_s: float = 0.0) -> int:
         """Send spooled batches in order; returns trajectories evicted. Keeps what could not be
@@ -274,17 +308,24 @@ class RedisRing:
         with self._spool_lock:
             return self._flush_locked(retry_s)
 
+    def _send(self, chunk: _Chunk) -> list[Any]:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.mset(chunk.records)
+        self._scripts["insert"](keys=self.keys, args=[self._capacity, *chunk.args], client=pipe)
+        out: list[Any] = pipe.execute()[-1]
+        return out
+
     def _flush_locked(self, retry_s: float) -> int:
         evicted = 0
         while self._spool:
-            args, nbytes = self._spool[0]
+            chunk = self._spool[0]
             try:
-                inserted, ev, _dup, size = self._script("insert", args, retry_s=retry_s)
+                inserted, ev, _dup, size = self._retry(lambda c=chunk: self._send(c), retry_s)
             except BufferUnavailable:
                 self._set_spool_gauge()
                 return evicted
             self._spool.popleft()
-            self._spool_bytes -= nbytes
+            self._spool_bytes -= chunk.nbytes
             evicted += int(ev)
             if self.metrics is not None:
                 self.metrics.inserts.inc(int(inserted))
@@ -339,26 +380,35 @@ class RedisRing:
                 waited += time.perf_counter() - t0
                 delay = min(delay * 2, 0.05)
                 continue
-            _, version, size, sk, dr, slots, blobs, uses, vers, ps = out
+            _, version, size, sk, dr, slots, tids, uses, vers, refs, ps = out
             skipped += int(sk)
             dropped += int(dr)
-            bad = []
-            for k, blob in enumerate(blobs):
-                try:
-                    t = decode(blob, self.max_record_bytes)
-                except RecordError as err:
-                    log.error("quarantined a malformed record in slot %s: %s", slots[k], err)
-                    bad.append(slots[k])
+            rec = self.keys[4]
+            blobs = self._retry(
+                functools.partial(self.client.mget, [rec + t.decode() for t in tids]),
+                max(0.0, deadline - time.monotonic()),
+            )
+            present = [k for k, b in enumerate(blobs) if b is not None]
+            # A record evicted between the script and the MGET is missing: drawn again below.
+            good, bad = decode_many([blobs[k] for k in present], self.max_record_bytes)
+            bad_at = {present[i] for i, _ in bad}
+            for i, err in bad:
+                log.error("quarantined a malformed record in slot %s: %s", slots[present[i]], err)
+            it = iter(good)
+            for k in present:
+                if k in bad_at:
                     continue
+                t = next(it)
                 t.use_count = int(uses[k])
+                _apply_ref(t, refs[k])
                 trajs.append(t)
                 versions.append(int(vers[k]))
                 if ps:
                     probs.append(float(ps[k]))
-            if bad:
-                self._script("quarantine", bad)
+            if bad_at:
+                self._script("quarantine", [slots[k] for k in sorted(bad_at)])
                 if self.metrics is not None:
-                    self.metrics.rejected.inc(len(bad))
+                    self.metrics.rejected.inc(len(bad_at))
         if self.prioritized:
             weights = importance_weights(np.asarray(probs), int(size), self.beta)
         else:
@@ -387,15 +437,17 @@ class RedisRing:
         return int(self._script("priorities", args))
 
     def write_back(self, trajectories: Sequence[Trajectory]) -> int:
+        """Store the cached reference quantities of held trajectories (a few bytes each: the
+        record's bytes are not rewritten)."""
         if not trajectories:
             return 0
         args: list[Any] = []
         for t in trajectories:
-            args += [t.traj_id, encode(t)]
+            args += [t.traj_id, _pack_ref(t)]
         return int(self._script("write_back", args))
 
     def items(self) -> list[Trajectory]:
-        meta, ring = self.keys[0], self.keys[1]
+        meta, ring, rec = self.keys[0], self.keys[1], self.keys[4]
         head, tail = (
             int(x or 0)
             for x in self._retry(lambda: self.client.hmget(meta, "head", "tail"), self.retry_s)
@@ -405,16 +457,23 @@ class RedisRing:
             fields = []
             for pos in range(lo, min(lo + 512, head)):
                 slot = pos % self._capacity
-                fields += [f"b{slot}", f"u{slot}"]
+                fields += [f"i{slot}", f"u{slot}", f"r{slot}"]
             vals: list[Any] = self._retry(
                 functools.partial(self.client.hmget, ring, fields), self.retry_s
             )
-            for k in range(0, len(vals), 2):
-                if vals[k] is None:
-                    continue  # quarantined or evicted meanwhile
-                t = decode(bytes(vals[k]), self.max_record_bytes)
-                t.use_count = int(vals[k + 1] or 0)
-                out.append(t)
+            rows = [vals[k : k + 3] for k in range(0, len(vals), 3) if vals[k] is not None]
+            blobs = self._retry(
+                functools.partial(self.client.mget, [rec + r[0].decode() for r in rows]),
+                self.retry_s,
+            )
+            for (_, uses, ref), blob in zip(rows, blobs, strict=True):
+                if blob is None:
+                    continue  # evicted meanwhile
+                good, _bad = decode_many([blob], self.max_record_bytes)
+                for t in good:
+                    t.use_count = int(uses or 0)
+                    _apply_ref(t, ref)
+                    out.append(t)
         return out
 
     def stats(self) -> BufferStats:
@@ -442,8 +501,19 @@ class RedisRing:
         )
 
     def delete(self) -> None:
-        """Remove the run's keys (its buffer and counters)."""
-        self._retry(lambda: self.client.delete(*self.keys), self.retry_s)
+        """Remove the run's keys (its buffer, its records and its counters)."""
+        self._retry(self._delete, self.retry_s)
+
+    def _delete(self) -> None:
+        self.client.delete(*self.keys[:4])
+        batch = []
+        for key in self.client.scan_iter(match=_glob_escape(self.keys[4]) + "*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                self.client.delete(*batch)
+                batch = []
+        if batch:
+            self.client.delete(*batch)
 
     def reset(self) -> None:
         self.delete()

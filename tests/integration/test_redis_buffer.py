@@ -269,7 +269,7 @@ def test_a_corrupt_record_in_redis_is_quarantined_and_counted(redis_url, redis_p
     m = BufferMetrics()
     ring = RedisRing("c", 6, url=redis_url, key_prefix=redis_prefix, metrics=m, seed=4)
     ring.insert([make_traj(i) for i in range(6)])
-    ring.client.hset(ring.keys[1], "b2", b"\x93not a record")  # a foreign writer's garbage
+    ring.client.set(ring.keys[4] + "t2", b"\x93not a record")  # a foreign writer's garbage
     batch = ring.sample(5)
     assert len(batch) == 5 and "t2" not in batch.traj_ids
     assert ring.stats().rejected == 1
@@ -304,7 +304,48 @@ def test_bad_record_message_names_it(redis_url, redis_prefix):
 
 
 def test_keys_live_under_the_prefix_only(redis_url, redis_prefix):
-    ring = RedisRing("k", 10, url=redis_url, key_prefix=redis_prefix, prioritized=True)
-    ring.insert([make_traj(0)])
-    keys = {k.decode() for k in ring.client.scan_iter(match=redis_prefix + "*")}
-    assert keys == set(run_keys(redis_prefix, "k"))
+    buf = RedisRing("k", 10, url=redis_url, key_prefix=redis_prefix, prioritized=True)
+    buf.insert([make_traj(0)])
+    keys = {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")}
+    meta, ring, ids, tree, rec = run_keys(redis_prefix, "k")
+    assert keys == {meta, ring, ids, tree, rec + "t0"}
+    buf.reset()
+    assert {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")} == {meta}
+
+
+def test_the_deploy_redis_config_runs_with_aof_everysec(tmp_path):
+    """deploy/redis.conf as compose mounts it (only the data dir and port moved here)."""
+    import yaml
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    mounts = compose["services"]["redis"]["volumes"]
+    assert "./deploy/redis.conf:/usr/local/etc/redis/redis.conf:ro" in mounts
+    port = _free_port()
+    conf = (ROOT / "deploy" / "redis.conf").read_text().replace("dir /data", f"dir {tmp_path}")
+    conf = conf.replace("port 6379", f"port {port}").replace("bind 0.0.0.0", "bind 127.0.0.1")
+    (tmp_path / "redis.conf").write_text(conf)
+    proc = subprocess.Popen(
+        ["redis-server", str(tmp_path / "redis.conf")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        client = redis.Redis(port=port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, proc.communicate()[0]
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("appendfsync") == {"appendfsync": "everysec"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        ring = RedisRing("conf", 10, url=f"redis://127.0.0.1:{port}/0", key_prefix="t:")
+        ring.insert([make_traj(0)])
+        assert len(ring.sample(1)) == 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -191,7 +191,7 @@ def test_prioritized_replay_updates_priorities(tmp_path, redis_url, redis_prefix
     res = train(cfg_for(tmp_path, *extra, "learner.rounds=3", "metrics.plot=false", name="pr"))
     assert all(r["updates"] == 2 for r in res.history[1:])
     client = redis.Redis.from_url(redis_url)
-    meta, _, _, tree = run_keys(redis_prefix, "pr")
+    meta, _, _, tree, _ = run_keys(redis_prefix, "pr")
     leaves = int(client.hget(meta, "leaves"))
     prios = [float(v) for k, v in client.hgetall(tree).items() if int(k) >= leaves]
     assert len(prios) == 96 and len(set(prios)) > 50  # set from each trajectory's |delta|

@@ -100,3 +100,52 @@ def test_reward_transforms():
     assert transform_rewards([1.0, 0.0], ["x", "y"], "group_mean") == [0.0, 0.0]
     with pytest.raises(ValueError, match="group ids"):
         transform_rewards([1.0], [], "binary")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(["ok", "nan", "posinf", "neginf", "positive", "negid", "garbage"]),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_batch_codec_finds_exactly_the_bad_records(kinds):
+    """encode_many/decode_many check arrays once per batch; a defect anywhere is still found
+    and pinned on the right record."""
+    from buffer.records import decode_many, encode_many
+
+    blobs, trajs = [], []
+    for i, kind in enumerate(kinds):
+        t = make_traj(i, rlen=5)
+        if kind == "garbage":
+            blobs.append(b"\x92\x01")
+            continue
+        wire = t.to_wire()
+        lp = t.logprobs.copy()
+        ids = t.response_ids.copy()
+        if kind in ("nan", "posinf", "neginf", "positive"):
+            lp[2] = {"nan": np.nan, "posinf": np.inf, "neginf": -np.inf, "positive": 0.5}[kind]
+        if kind == "negid":
+            ids[0] = -3
+        wire["logprobs"], wire["response_ids"] = lp.tobytes(), ids.tobytes()
+        blobs.append(msgpack.packb(wire, use_bin_type=True))
+        trajs.append(
+            Trajectory(
+                prompt_ids=t.prompt_ids,
+                response_ids=ids,
+                logprobs=lp,
+                reward_raw=1.0,
+                reward=1.0,
+                traj_id=t.traj_id,
+            )
+        )
+    good, bad = decode_many(blobs)
+    assert [i for i, _ in bad] == [i for i, k in enumerate(kinds) if k != "ok"]
+    assert [t.traj_id for t in good] == [f"t{i}" for i, k in enumerate(kinds) if k == "ok"]
+    first_bad = next((i for i, t in enumerate(trajs) if kinds[int(t.traj_id[1:])] != "ok"), None)
+    if first_bad is None:
+        assert [decode(b).traj_id for b in encode_many(trajs)] == [t.traj_id for t in trajs]
+    else:
+        with pytest.raises(RecordError, match=rf"record {first_bad} "):
+            encode_many(trajs)
