@@ -4,9 +4,9 @@ For 2 KB records (256 tokens: prompt 64 + response 192) and 40 KB records (5,000
 200 + response 4,800), and for each batch size B, it measures:
 
 - insert: ``RedisRing.insert`` of batches of B pre-built trajectories (client-side encode and
-  validation, then the Lua insert script), records/s and MB/s;
-- encode-only / decode-only: ``buffer.records.encode`` / ``decode`` alone on one core, the
-  client's share of an insert / a sample;
+  validation, then one MULTI/EXEC of MSET and the Lua insert script per chunk), records/s and MB/s;
+- encode-only / decode-only: ``buffer.records.encode_many`` / ``decode_many`` alone on one core
+  in batches of 1024, the client's share of an insert / a sample;
 - sample: ``RedisRing.sample(B)`` repeated (the Lua sample script, the transfer, then decode and
   validation of every record), records/s, MB/s and per-call latency p50/p99;
 - beside it, the server ceiling: ``redis-benchmark`` LPUSH of 2 KB / 40 KB values, pipelined
@@ -50,7 +50,7 @@ from urllib.parse import urlparse
 import numpy as np
 import redis
 
-from buffer.records import Trajectory, decode, encode
+from buffer.records import Trajectory, decode_many, encode_many
 from buffer.redis_ring import RedisRing, run_keys
 
 VOCAB = 151_936  # token ids drawn below this (a Qwen-sized vocabulary)
@@ -176,14 +176,14 @@ def records_for(spec: SizeSpec, batch: int, scale: float) -> int:
 
 
 def bench_codec(spec: SizeSpec, records: Sequence[Trajectory]) -> CodecResult:
-    for t in records[:256]:  # warm-up
-        decode(encode(t))
+    decode_many(encode_many(records[:256]))  # warm-up
+    # In batches of 1024, as insert and sample do (array checks vectorized per batch).
     t0 = time.perf_counter()
-    blobs = [encode(t) for t in records]
+    blobs = [b for i in range(0, len(records), 1024) for b in encode_many(records[i : i + 1024])]
     enc_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for b in blobs:
-        decode(b)
+    for i in range(0, len(blobs), 1024):
+        decode_many(blobs[i : i + 1024])
     dec_s = time.perf_counter() - t0
     total = sum(len(b) for b in blobs)
     n = len(blobs)

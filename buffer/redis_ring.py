@@ -320,7 +320,9 @@ class RedisRing:
         while self._spool:
             chunk = self._spool[0]
             try:
-                inserted, ev, _dup, size = self._retry(lambda c=chunk: self._send(c), retry_s)
+                inserted, ev, _dup, size = self._retry(
+                    functools.partial(self._send, chunk), retry_s
+                )
             except BufferUnavailable:
                 self._set_spool_gauge()
                 return evicted
@@ -392,8 +394,10 @@ class RedisRing:
             # A record evicted between the script and the MGET is missing: drawn again below.
             good, bad = decode_many([blobs[k] for k in present], self.max_record_bytes)
             bad_at = {present[i] for i, _ in bad}
-            for i, err in bad:
-                log.error("quarantined a malformed record in slot %s: %s", slots[present[i]], err)
+            for i, problem in bad:
+                log.error(
+                    "quarantined a malformed record in slot %s: %s", slots[present[i]], problem
+                )
             it = iter(good)
             for k in present:
                 if k in bad_at:
