@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffer.records import SCHEMA_VERSION, RecordError, Trajectory, decode, encode
+from buffer.records import (
+    SCHEMA_VERSION,
+    WIRE_FIELDS,
+    RecordError,
+    Trajectory,
+    decode,
+    encode,
+    pack_wire,
+)
 from reval.rewards import transform_rewards
 from tests.conftest import make_traj
 
@@ -28,7 +36,8 @@ def test_round_trip_keeps_every_field():
 def _wire(**changes):
     d = make_traj(1).to_wire()
     d.update(changes)
-    return msgpack.packb(d, use_bin_type=True)
+    extra = {k: v for k, v in changes.items() if k not in WIRE_FIELDS}
+    return pack_wire(d) if not extra else msgpack.packb([*msgpack.unpackb(pack_wire(d)), 1])
 
 
 @pytest.mark.parametrize(
@@ -42,7 +51,7 @@ def _wire(**changes):
         ({"logprobs": np.zeros(2, np.float32).tobytes()}, "log-probs for"),
         ({"response_ids": b""}, "empty response"),
         ({"finish_reason": "abort"}, "finish_reason"),
-        ({"extra": 1}, "unknown fields"),
+        ({"extra": 1}, "19 fields"),
     ],
 )
 def test_bad_records_are_rejected_with_a_clear_error(changes, message):
@@ -53,12 +62,16 @@ def test_bad_records_are_rejected_with_a_clear_error(changes, message):
 def test_missing_field_and_garbage():
     d = make_traj(1).to_wire()
     del d["reward"]
-    with pytest.raises(RecordError, match="missing"):
-        decode(msgpack.packb(d))
+    with pytest.raises(RecordError, match="17 fields"):
+        decode(pack_wire(d))
     with pytest.raises(RecordError):
         decode(b"\xc1\xff\x00")
-    with pytest.raises(RecordError, match="not a map"):
+    with pytest.raises(RecordError, match="not an array"):
+        decode(msgpack.packb({"v": SCHEMA_VERSION}))
+    with pytest.raises(RecordError, match="schema version"):
         decode(msgpack.packb([1, 2]))
+    with pytest.raises(RecordError, match="schema version 1"):  # schema 1 was a map
+        decode(msgpack.packb({**make_traj(1).to_wire(), "v": 1}))
     with pytest.raises(RecordError, match="exceeds"):
         decode(encode(make_traj(1)), max_bytes=10)
 
@@ -119,7 +132,7 @@ def test_batch_codec_finds_exactly_the_bad_records(kinds):
     for i, kind in enumerate(kinds):
         t = make_traj(i, rlen=5)
         if kind == "garbage":
-            blobs.append(b"\x92\x01")
+            blobs.append(b"\x92\x02")
             continue
         wire = t.to_wire()
         lp = t.logprobs.copy()
@@ -129,7 +142,7 @@ def test_batch_codec_finds_exactly_the_bad_records(kinds):
         if kind == "negid":
             ids[0] = -3
         wire["logprobs"], wire["response_ids"] = lp.tobytes(), ids.tobytes()
-        blobs.append(msgpack.packb(wire, use_bin_type=True))
+        blobs.append(pack_wire(wire))
         trajs.append(
             Trajectory(
                 prompt_ids=t.prompt_ids,
