@@ -2,22 +2,27 @@
 consumers can share a run. Keys of a run (one hash tag, so they share a cluster slot):
 
 - ``meta`` (hash): capacity, head, tail, evicted, sampled, rejected, dropped, version, maxp, leaves
-- ``ring`` (hash): per slot ``i<slot>`` trajectory id, ``v<slot>`` policy version, ``u<slot>``
-  use count, ``r<slot>`` the reference quantities written back by the learner (msgpack)
 - ``ids`` (hash): trajectory id -> position (held trajectories only)
 - ``tree`` (hash): the sum tree of priorities, node -> sum (prioritized runs only)
+- ``sid``, ``sver``, ``suse``, ``sref`` (hashes keyed by slot number): the trajectory id, its
+  policy version, its use count (absent = 0) and the reference quantities written back by the
+  learner (msgpack). One hash per field and numeric field names: the scripts pass slot numbers
+  straight to Redis and do no string work per record (Lua's string handling, not Redis, was
+  most of the scripts' time).
 - ``r:<trajectory id>`` (string): the record's bytes. Producers write them with a plain MSET in
   the same MULTI/EXEC as the INSERT script (so record bytes never pass through Lua, which copies
   them twice, and nothing is half-written); the learner reads them with a plain MGET after the
-  SAMPLE script picked the ids. The scripts touch these keys by name (KEYS[5] is their prefix);
+  SAMPLE script picked the ids. The scripts touch these keys by name (KEYS[8] is their prefix);
   they share the run's hash tag, so this also holds on Redis Cluster.
 """
 
 from __future__ import annotations
 
-# KEYS: meta ring ids tree. ARGV[1] = capacity. Creates missing fields only, checks capacity.
+# KEYS: see above, in that order. ARGV[1] = capacity. ensure() creates missing fields only and
+# checks the capacity.
 _PRELUDE = """
-local meta, ring, ids, tree, rec = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local meta, ids, tree, sid, sver, suse, sref, rec =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local cap = tonumber(ARGV[1])
 local function ensure()
   local leaves = 1
@@ -33,6 +38,26 @@ local function ensure()
   return nil
 end
 local function num(x) return string.format('%.17g', x) end
+local function chunked(cmd, key, list)
+  for k = 1, #list, 4000 do
+    redis.call(cmd, key, unpack(list, k, math.min(k + 3999, #list)))
+  end
+end
+local function hmget_all(key, fields)
+  local out = {}
+  for k = 1, #fields, 4000 do
+    local got = redis.call('HMGET', key, unpack(fields, k, math.min(k + 3999, #fields)))
+    for j = 1, #got do out[k + j - 1] = got[j] end
+  end
+  return out
+end
+local function del_records(tids)
+  local keys = {}
+  for j, tid in ipairs(tids) do keys[j] = rec .. tid end
+  for k = 1, #keys, 4000 do
+    redis.call('DEL', unpack(keys, k, math.min(k + 3999, #keys)))
+  end
+end
 local leaves = 0
 local function tget(i)
   local v = redis.call('HGET', tree, i)
@@ -71,81 +96,66 @@ local prio = ARGV[2] == '1'
 local m = redis.call('HMGET', meta, 'head', 'tail', 'maxp', 'leaves')
 local head, tail, maxp = tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
 leaves = tonumber(m[4])
-local inserted, evicted, dup = 0, 0, 0
--- Batched: a handful of calls per chunk of 1000 records instead of several per record.
-local function chunked(cmd, key, list)
-  for k = 1, #list, 4000 do
-    redis.call(cmd, key, unpack(list, k, math.min(k + 3999, #list)))
-  end
-end
 local tids = {}
 for k = 3, #ARGV, 2 do tids[#tids + 1] = ARGV[k] end
-local held = {}
-for k = 1, #tids, 4000 do
-  local got = redis.call('HMGET', ids, unpack(tids, k, math.min(k + 3999, #tids)))
-  for j = 1, #got do held[k + j - 1] = got[j] end
-end
-local seen = {}
-local ringset, idset, rdel, olds = {}, {}, {}, {}
-local prio_slots = {}
-for j, tid in ipairs(tids) do
+local held = hmget_all(ids, tids)
+local inserted, evicted, dup = 0, 0, 0
+local seen, idset, verset, slots, posset, olds = {}, {}, {}, {}, {}, {}
+for j = 1, #tids do
+  local tid = tids[j]
   if held[j] or seen[tid] then
-    dup = dup + 1
+    dup = dup + 1  -- a retried batch that had landed, or an id twice in one batch
   else
     seen[tid] = true
-    local slot = head % cap
+    -- One number-to-string conversion per record: Redis would otherwise format each number
+    -- passed to redis.call with sprintf, and that was a third of this script's time.
+    local slot = tostring(head % cap)
     if head - cap >= tail then
-      olds[#olds + 1] = 'i' .. slot
+      olds[#olds + 1] = slot
       tail = tail + 1
       evicted = evicted + 1
     end
-    local n = #ringset
-    ringset[n + 1] = 'i' .. slot
-    ringset[n + 2] = tid
-    ringset[n + 3] = 'v' .. slot
-    ringset[n + 4] = ARGV[2 * j + 2]
-    ringset[n + 5] = 'u' .. slot
-    ringset[n + 6] = 0
-    rdel[#rdel + 1] = 'r' .. slot
-    idset[#idset + 1] = tid
-    idset[#idset + 1] = head
-    prio_slots[#prio_slots + 1] = slot
+    local n = #idset
+    idset[n + 1] = slot
+    idset[n + 2] = tid
+    verset[n + 1] = slot
+    verset[n + 2] = ARGV[2 * j + 2]
+    posset[n + 1] = tid
+    posset[n + 2] = tostring(head)
+    slots[#slots + 1] = slot
     head = head + 1
     inserted = inserted + 1
   end
 end
--- The evicted ids are read before their slots are overwritten. A batch longer than M evicts
--- some of its own records: those are found from the order of its writes.
-local evict_ids = {}
+-- Evicted ids are read before their slots are overwritten; a batch longer than M also evicts
+-- some of its own records, found from the order of its writes.
+local evict = {}
 if #olds > 0 then
-  for k = 1, #olds, 4000 do
-    local got = redis.call('HMGET', ring, unpack(olds, k, math.min(k + 3999, #olds)))
-    for j = 1, #got do
-      if got[j] then evict_ids[#evict_ids + 1] = got[j] end
+  for _, tid in ipairs(hmget_all(sid, olds)) do
+    if tid then evict[#evict + 1] = tid end
+  end
+  if #slots > cap then
+    local last = {}
+    for k = 1, #idset, 2 do
+      local slot = idset[k]
+      if last[slot] then evict[#evict + 1] = last[slot] end
+      last[slot] = idset[k + 1]
     end
   end
-  local last = {}
-  for k = 1, #ringset, 6 do
-    local f = ringset[k]
-    if last[f] then evict_ids[#evict_ids + 1] = last[f] end
-    last[f] = ringset[k + 1]
-  end
 end
-if #ringset > 0 then
-  chunked('HSET', ring, ringset)
-  chunked('HDEL', ring, rdel)
-  chunked('HSET', ids, idset)
+if #slots > 0 then
+  chunked('HSET', sid, idset)
+  chunked('HSET', sver, verset)
+  chunked('HDEL', suse, slots)
+  chunked('HDEL', sref, slots)
+  chunked('HSET', ids, posset)
 end
-if #evict_ids > 0 then  -- after the HSETs: a record of this batch may be among them
-  chunked('HDEL', ids, evict_ids)
-  local keys = {}
-  for j, tid in ipairs(evict_ids) do keys[j] = rec .. tid end
-  for k = 1, #keys, 4000 do
-    redis.call('DEL', unpack(keys, k, math.min(k + 3999, #keys)))
-  end
+if #evict > 0 then  -- after the HSETs: a record of this batch may be among them
+  chunked('HDEL', ids, evict)
+  del_records(evict)
 end
 if prio then
-  for _, slot in ipairs(prio_slots) do tset(slot, maxp) end
+  for _, slot in ipairs(slots) do tset(tonumber(slot), maxp) end
 end
 redis.call('HSET', meta, 'head', head, 'tail', tail)
 redis.call('HINCRBY', meta, 'evicted', evicted)
@@ -175,21 +185,30 @@ local head, tail, sampled, version = tonumber(m[1]), tonumber(m[2]), tonumber(m[
 leaves = tonumber(m[5])
 local floor = nil
 local dropped = 0
+local function empty_slot(slot)
+  redis.call('HDEL', sid, slot)
+  redis.call('HDEL', sver, slot)
+  redis.call('HDEL', suse, slot)
+  redis.call('HDEL', sref, slot)
+end
 if max_stale >= 0 then
+  -- Drop the too-stale oldest: O(1) amortized, each trajectory is dropped once.
   floor = version - max_stale
+  local gone = {}
   while tail < head do
     local slot = tail % cap
-    local v = redis.call('HGET', ring, 'v' .. slot)
-    if v and tonumber(v) >= floor then break end
-    local tid = redis.call('HGET', ring, 'i' .. slot)
-    if tid then
-      redis.call('HDEL', ids, tid)
-      redis.call('DEL', rec .. tid)
-    end
-    redis.call('HDEL', ring, 'i' .. slot, 'v' .. slot, 'u' .. slot, 'r' .. slot)
+    local v = tonumber(redis.call('HGET', sver, slot))
+    if v and v >= floor then break end
+    local tid = redis.call('HGET', sid, slot)
+    if tid then gone[#gone + 1] = tid end
+    empty_slot(slot)
     if prio then tset(slot, 0) end
     tail = tail + 1
     dropped = dropped + 1
+  end
+  if #gone > 0 then
+    chunked('HDEL', ids, gone)
+    del_records(gone)
   end
   if dropped > 0 then
     redis.call('HSET', meta, 'tail', tail)
@@ -208,38 +227,29 @@ if spi >= 0 and sampled + B > spi * head + slack then
 end
 local slots, versions, probs = {}, {}, {}
 local skipped = 0
-local function hmget_all(fields)
-  local out = {}
-  for k = 1, #fields, 4000 do
-    local got = redis.call('HMGET', ring, unpack(fields, k, math.min(k + 3999, #fields)))
-    for j = 1, #got do out[k + j - 1] = got[j] end
-  end
-  return out
-end
 if not prio then
-  -- Partial Fisher-Yates over the window's offsets, in rounds: draw what is missing, read the
-  -- versions in one call, keep the fresh ones.
+  -- Partial Fisher-Yates over the window's offsets, in rounds: draw what is missing, read
+  -- their versions in one call, keep the usable ones.
   local swaps = {}
   local i = 0
   while #slots < B and i < n do
-    local cand, vf = {}, {}
+    local cand = {}
     while #cand < B - #slots and i < n do
       local j = i + math.floor(rnd() * (n - i))
       local vi, vj = swaps[i] or i, swaps[j] or j
       swaps[j] = vi
-      local slot = (tail + vj) % cap
-      cand[#cand + 1] = slot
-      vf[#vf + 1] = 'v' .. slot
+      cand[#cand + 1] = tostring((tail + vj) % cap)
       i = i + 1
     end
-    local vs = hmget_all(vf)
-    for k, slot in ipairs(cand) do
+    local vs = hmget_all(sver, cand)
+    for k = 1, #cand do
       local v = vs[k]
-      if not v or (floor and tonumber(v) < floor) then
-        skipped = skipped + 1
+      if v then v = tonumber(v) end
+      if not v or (floor and v < floor) then
+        skipped = skipped + 1  -- stale, or an emptied (quarantined) slot
       else
-        slots[#slots + 1] = slot
-        versions[#versions + 1] = tonumber(v)
+        slots[#slots + 1] = cand[k]
+        versions[#versions + 1] = v
       end
     end
   end
@@ -265,12 +275,13 @@ else
     if p <= 0 then break end
     zeroed[#zeroed + 1] = {slot, p}
     tset(slot, 0)
-    local v = redis.call('HGET', ring, 'v' .. slot)
-    if not v or (floor and tonumber(v) < floor) then
+    slot = tostring(slot)
+    local v = tonumber(redis.call('HGET', sver, slot))
+    if not v or (floor and v < floor) then
       skipped = skipped + 1
     else
       slots[#slots + 1] = slot
-      versions[#versions + 1] = tonumber(v)
+      versions[#versions + 1] = v
       probs[#probs + 1] = num(p / total)
     end
   end
@@ -280,22 +291,15 @@ if skipped > 0 then redis.call('HINCRBY', meta, 'dropped', skipped) end
 if #slots < B then
   return {0, 'fewer than ' .. B .. ' trajectories within max_staleness', dropped + skipped}
 end
-local ifields, rfields, ufields = {}, {}, {}
-for k, slot in ipairs(slots) do
-  ifields[k] = 'i' .. slot
-  rfields[k] = 'r' .. slot
-  ufields[k] = 'u' .. slot
-end
-local tids, refs, uses = hmget_all(ifields), hmget_all(rfields), hmget_all(ufields)
+local tids, refs, uses = hmget_all(sid, slots), hmget_all(sref, slots), hmget_all(suse, slots)
 local uset = {}
 for k = 1, #slots do
-  uses[k] = (tonumber(uses[k]) or 0) + 1
-  uset[2 * k - 1] = ufields[k]
-  uset[2 * k] = uses[k]
+  local u = (tonumber(uses[k]) or 0) + 1
+  uses[k] = u
+  uset[2 * k - 1] = slots[k]
+  uset[2 * k] = u
 end
-for k = 1, #uset, 4000 do
-  redis.call('HSET', ring, unpack(uset, k, math.min(k + 3999, #uset)))
-end
+chunked('HSET', suse, uset)
 redis.call('HINCRBY', meta, 'sampled', B)
 return {1, version, n, skipped, dropped, slots, tids, uses, versions, refs, probs}
 """
@@ -331,15 +335,18 @@ WRITE_BACK = (
     + """
 local err = ensure()
 if err then return err end
-local found = 0
-for k = 2, #ARGV, 2 do
-  local pos = redis.call('HGET', ids, ARGV[k])
-  if pos then
-    redis.call('HSET', ring, 'r' .. (tonumber(pos) % cap), ARGV[k + 1])
-    found = found + 1
+local tids = {}
+for k = 2, #ARGV, 2 do tids[#tids + 1] = ARGV[k] end
+local pos = hmget_all(ids, tids)
+local set = {}
+for j = 1, #tids do
+  if pos[j] then
+    set[#set + 1] = tonumber(pos[j]) % cap
+    set[#set + 1] = ARGV[2 * j + 1]
   end
 end
-return found
+chunked('HSET', sref, set)
+return #set / 2
 """
 )
 
@@ -351,15 +358,20 @@ QUARANTINE = (
 local err = ensure()
 if err then return err end
 leaves = tonumber(redis.call('HGET', meta, 'leaves'))
+local gone = {}
 for k = 2, #ARGV do
-  local slot = ARGV[k]
-  local tid = redis.call('HGET', ring, 'i' .. slot)
-  if tid then
-    redis.call('HDEL', ids, tid)
-    redis.call('DEL', rec .. tid)
-  end
-  redis.call('HDEL', ring, 'i' .. slot, 'v' .. slot, 'u' .. slot, 'r' .. slot)
-  if redis.call('EXISTS', tree) == 1 then tset(tonumber(slot), 0) end
+  local slot = tonumber(ARGV[k])
+  local tid = redis.call('HGET', sid, slot)
+  if tid then gone[#gone + 1] = tid end
+  redis.call('HDEL', sid, slot)
+  redis.call('HDEL', sver, slot)
+  redis.call('HDEL', suse, slot)
+  redis.call('HDEL', sref, slot)
+  if redis.call('EXISTS', tree) == 1 then tset(slot, 0) end
+end
+if #gone > 0 then
+  chunked('HDEL', ids, gone)
+  del_records(gone)
 end
 redis.call('HINCRBY', meta, 'rejected', #ARGV - 1)
 return #ARGV - 1

@@ -20,12 +20,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 import numpy as np
 import redis
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import BusyLoadingError, ExecAbortError, NoScriptError, ResponseError
 
 from buffer.base import (
     BufferStats,
@@ -54,12 +54,30 @@ CHUNK_BYTES = 8 << 20  # one insert script call carries at most this much
 CHUNK_RECORDS = 2048
 
 
-def run_keys(prefix: str, run: str) -> list[str]:
+class RunKeys(NamedTuple):
+    """A run's keys, in the order the scripts take them (``rec`` is the records' key prefix)."""
+
+    meta: str
+    ids: str
+    tree: str
+    sid: str
+    sver: str
+    suse: str
+    sref: str
+    rec: str
+
+    @property
+    def stored(self) -> list[str]:
+        """The keys other than the records'."""
+        return list(self[:7])
+
+
+def run_keys(prefix: str, run: str) -> RunKeys:
     """The run's keys (one hash tag, so a Redis Cluster keeps them together)."""
     if not run or any(c in run for c in "{}: \n"):
         raise ValueError(f"run id must be non-empty without braces, colons or spaces: {run!r}")
     base = f"{prefix}{{{run}}}:"
-    return [base + k for k in ("meta", "ring", "ids", "tree", "r:")]
+    return RunKeys._make([*(base + k for k in RunKeys._fields[:7]), base + "r:"])
 
 
 def _glob_escape(text: str) -> str:
@@ -125,12 +143,14 @@ class RedisRing:
         max_record_bytes: int = 64 << 20,
         reset: bool = False,
         open_retry_s: float = 5.0,
+        background: bool = False,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.run = run
         self._capacity = capacity
         self.keys = run_keys(key_prefix, run)
+        self._own_client = client is None
         self.client = client or redis.Redis.from_url(
             url, socket_timeout=30, socket_connect_timeout=2, health_check_interval=15
         )
@@ -147,7 +167,13 @@ class RedisRing:
         self.metrics = metrics
         self._spool: deque[_Chunk] = deque()
         self._spool_bytes = 0
-        self._spool_lock = threading.RLock()  # the spool keeps one process's batches in order
+        self._spool_lock = threading.RLock()  # guards the spool (a deque kept in insert order)
+        self._send_lock = threading.Lock()  # one sender at a time: chunks land in order
+        self._inflight: _Chunk | None = None
+        self.background = background
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._sender: threading.Thread | None = None
         self.spool_dropped = 0
         self._down_since: float | None = None
         self._scripts = {
@@ -172,6 +198,11 @@ class RedisRing:
                 raise
             # A producer may start before Redis: every script creates the run when missing.
             log.warning("run %s: Redis not reachable yet (%s); inserts will spool", run, err)
+        if background:
+            self._sender = threading.Thread(
+                target=self._send_loop, name=f"reval-buffer-sender-{run}", daemon=True
+            )
+            self._sender.start()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -223,7 +254,7 @@ class RedisRing:
 
     def __len__(self) -> int:
         head, tail = self._retry(
-            lambda: self.client.hmget(self.keys[0], "head", "tail"), self.retry_s
+            lambda: self.client.hmget(self.keys.meta, "head", "tail"), self.retry_s
         )
         return int(head or 0) - int(tail or 0)
 
@@ -234,14 +265,16 @@ class RedisRing:
         MULTI/EXEC round trip of MSET (the records' bytes) and the INSERT script (the ring's
         bookkeeping). When Redis is unreachable the batch goes to the local spool and 0 is
         returned (``spooled`` says how many wait); spooled chunks are sent first on the next
-        call, and by ``flush``/``close``."""
+        call, and by ``flush``/``close``. With ``background=True`` every batch goes through the
+        spool and a sender thread, so encoding the next batch overlaps this one's round trip;
+        insert then returns 0 (evictions are in ``stats`` and the metrics)."""
         try:
             blobs = encode_many(trajectories)
         except RecordError as err:
             self._count_rejected(1)
             raise RecordError(f"{err}; batch not written") from None
         with self._spool_lock:
-            rec = self.keys[4]
+            rec = self.keys.rec
             chunk = _Chunk({}, [int(self.prioritized)], 0)
             for t, b in zip(trajectories, blobs, strict=True):
                 chunk.records[rec + t.traj_id] = b
@@ -252,7 +285,10 @@ class RedisRing:
                     chunk = _Chunk({}, [int(self.prioritized)], 0)
             if chunk.records:
                 self._spool_push(chunk)
-            return self.flush(retry_s=0.0)
+        if self.background:
+            self._wake.set()
+            return 0
+        return self.flush(retry_s=0.0)
 
     def insert_encoded(self, blobs: Sequence[bytes]) -> tuple[int, int]:
         """Insert records that arrive already encoded (from another process or over HTTP):
@@ -272,7 +308,7 @@ class RedisRing:
         if self.metrics is not None:
             self.metrics.rejected.inc(n)
         try:
-            self.client.hincrby(self.keys[0], "rejected", n)
+            self.client.hincrby(self.keys.meta, "rejected", n)
         except RETRYABLE as err:
             self._note_down(err)
 
@@ -281,7 +317,12 @@ class RedisRing:
             self._spool.append(chunk)
             self._spool_bytes += chunk.nbytes
             while self._spool_bytes > self.spool_max_bytes and len(self._spool) > 1:
-                old = self._spool.popleft()
+                # Never the chunk being sent: it may be landing right now.
+                victim = 1 if self._spool[0] is self._inflight else 0
+                if victim >= len(self._spool) - 1:
+                    break  # only the in-flight chunk and the newest are left
+                old = self._spool[victim]
+                del self._spool[victim]
                 self._spool_bytes -= old.nbytes
                 self.spool_dropped += old.count
                 log.error(
@@ -303,43 +344,85 @@ class RedisRing:
         return sum(c.count for c in self._spool)
 
     def flush(self, retry_s: float = 0.0) -> int:
-        """Send spooled batches in order; returns trajectories evicted. Keeps what could not be
+        """Send spooled chunks in order; returns trajectories evicted. Keeps what could not be
         sent (Redis unreachable for ``retry_s``)."""
-        with self._spool_lock:
-            return self._flush_locked(retry_s)
-
-    def _send(self, chunk: _Chunk) -> list[Any]:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.mset(chunk.records)
-        self._scripts["insert"](keys=self.keys, args=[self._capacity, *chunk.args], client=pipe)
-        out: list[Any] = pipe.execute()[-1]
-        return out
-
-    def _flush_locked(self, retry_s: float) -> int:
         evicted = 0
-        while self._spool:
-            chunk = self._spool[0]
-            try:
-                inserted, ev, _dup, size = self._retry(
-                    functools.partial(self._send, chunk), retry_s
-                )
-            except BufferUnavailable:
-                self._set_spool_gauge()
-                return evicted
-            self._spool.popleft()
-            self._spool_bytes -= chunk.nbytes
-            evicted += int(ev)
-            if self.metrics is not None:
-                self.metrics.inserts.inc(int(inserted))
-                self.metrics.evictions.inc(int(ev))
-                self.metrics.size.set(int(size))
+        deadline = time.monotonic() + retry_s
+        with self._send_lock:
+            while True:
+                with self._spool_lock:
+                    if not self._spool:
+                        break
+                    chunk = self._inflight = self._spool[0]
+                try:
+                    inserted, ev, _dup, size = self._retry(
+                        functools.partial(self._send, chunk),
+                        max(0.0, deadline - time.monotonic()),
+                    )
+                except BufferUnavailable:
+                    break
+                finally:
+                    with self._spool_lock:
+                        self._inflight = None
+                with self._spool_lock:
+                    self._spool.popleft()  # still the head: pushes append, drops spare it
+                    self._spool_bytes -= chunk.nbytes
+                evicted += int(ev)
+                if self.metrics is not None:
+                    self.metrics.inserts.inc(int(inserted))
+                    self.metrics.evictions.inc(int(ev))
+                    self.metrics.size.set(int(size))
         self._set_spool_gauge()
         return evicted
+
+    def _send(self, chunk: _Chunk) -> list[Any]:
+        # EVALSHA by hand: redis-py's Script in a pipeline asks SCRIPT EXISTS first, one more
+        # round trip per chunk. A Redis that lost its script cache (a restart) answers NOSCRIPT
+        # and the transaction is discarded whole: load and send again.
+        script = self._scripts["insert"]
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.mset(chunk.records)
+            pipe.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", script.sha, len(self.keys), *self.keys, self._capacity, *chunk.args
+            )
+            try:
+                out: list[Any] = pipe.execute()[-1]
+                return out
+            except (NoScriptError, ExecAbortError):
+                if attempt:
+                    raise
+                self.client.script_load(INSERT)
+        raise AssertionError("unreachable")
+
+    def _send_loop(self) -> None:
+        delay = 0.05
+        while not self._stop.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            self.flush(retry_s=0.0)
+            if self._spool:  # Redis unreachable: try again after a pause
+                self._stop.wait(delay)
+                delay = min(delay * 2, 2.0)
+                self._wake.set()
+            else:
+                delay = 0.05
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Background mode: wait until every inserted batch has been sent (True) or the
+        timeout passes (False)."""
+        deadline = time.monotonic() + timeout
+        while self._spool or self._inflight is not None:
+            if time.monotonic() > deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.001)
+        return True
 
     # -- the learner ----------------------------------------------------------------------------
 
     def set_policy_version(self, version: int) -> None:
-        self._retry(lambda: self.client.hset(self.keys[0], "version", int(version)), self.retry_s)
+        self._retry(lambda: self.client.hset(self.keys.meta, "version", int(version)), self.retry_s)
 
     def sample(self, batch_size: int, timeout: float = 0.0) -> SampledBatch:
         if batch_size < 1:
@@ -385,7 +468,7 @@ class RedisRing:
             _, version, size, sk, dr, slots, tids, uses, vers, refs, ps = out
             skipped += int(sk)
             dropped += int(dr)
-            rec = self.keys[4]
+            rec = self.keys.rec
             blobs = self._retry(
                 functools.partial(self.client.mget, [rec + t.decode() for t in tids]),
                 max(0.0, deadline - time.monotonic()),
@@ -451,26 +534,25 @@ class RedisRing:
         return int(self._script("write_back", args))
 
     def items(self) -> list[Trajectory]:
-        meta, ring, rec = self.keys[0], self.keys[1], self.keys[4]
+        k = self.keys
         head, tail = (
             int(x or 0)
-            for x in self._retry(lambda: self.client.hmget(meta, "head", "tail"), self.retry_s)
+            for x in self._retry(lambda: self.client.hmget(k.meta, "head", "tail"), self.retry_s)
         )
         out = []
         for lo in range(tail, head, 512):
-            fields = []
-            for pos in range(lo, min(lo + 512, head)):
-                slot = pos % self._capacity
-                fields += [f"i{slot}", f"u{slot}", f"r{slot}"]
-            vals: list[Any] = self._retry(
-                functools.partial(self.client.hmget, ring, fields), self.retry_s
-            )
-            rows = [vals[k : k + 3] for k in range(0, len(vals), 3) if vals[k] is not None]
-            blobs = self._retry(
-                functools.partial(self.client.mget, [rec + r[0].decode() for r in rows]),
-                self.retry_s,
-            )
-            for (_, uses, ref), blob in zip(rows, blobs, strict=True):
+            slots = [pos % self._capacity for pos in range(lo, min(lo + 512, head))]
+
+            def read(slots: list[int] = slots) -> list[Any]:
+                pipe = self.client.pipeline(transaction=True)
+                for key in (k.sid, k.suse, k.sref):
+                    pipe.hmget(key, slots)
+                tids, uses, refs = pipe.execute()
+                rows = [(t, u, r) for t, u, r in zip(tids, uses, refs, strict=True) if t]
+                blobs = self.client.mget([k.rec + t.decode() for t, _, _ in rows]) if rows else []
+                return list(zip(rows, blobs, strict=True))
+
+            for (_, uses, ref), blob in self._retry(read, self.retry_s):
                 if blob is None:
                     continue  # evicted meanwhile
                 good, _bad = decode_many([blob], self.max_record_bytes)
@@ -491,7 +573,7 @@ class RedisRing:
             "dropped",
             "version",
         )
-        vals = self._retry(lambda: self.client.hmget(self.keys[0], fields), self.retry_s)
+        vals = self._retry(lambda: self.client.hmget(self.keys.meta, fields), self.retry_s)
         v = {k: int(x or 0) for k, x in zip(fields, vals, strict=True)}
         return BufferStats(
             size=v["head"] - v["tail"],
@@ -509,9 +591,9 @@ class RedisRing:
         self._retry(self._delete, self.retry_s)
 
     def _delete(self) -> None:
-        self.client.delete(*self.keys[:4])
+        self.client.delete(*self.keys.stored)
         batch = []
-        for key in self.client.scan_iter(match=_glob_escape(self.keys[4]) + "*", count=1000):
+        for key in self.client.scan_iter(match=_glob_escape(self.keys.rec) + "*", count=1000):
             batch.append(key)
             if len(batch) >= 1000:
                 self.client.delete(*batch)
@@ -524,8 +606,14 @@ class RedisRing:
         self._script("open", [])
 
     def close(self, flush_s: float = 5.0) -> None:
-        """Flush the spool (waiting up to ``flush_s`` for Redis) and close the connections."""
+        """Flush the spool (waiting up to ``flush_s`` for Redis), stop the sender thread, and
+        close the connections (unless the client was passed in)."""
+        if self._sender is not None:
+            self._stop.set()
+            self._wake.set()
+            self._sender.join(timeout=flush_s + 5)
         self.flush(retry_s=flush_s)
         if self._spool:
             log.error("closing with %d records still spooled (Redis unreachable)", self.spooled)
-        self.client.close()
+        if self._own_client:
+            self.client.close()

@@ -176,7 +176,7 @@ def test_redis_crash_keeps_the_ring_consistent(own_redis):
     ids = [t.traj_id for t in ring.items()]
     assert len(ids) == len(set(ids)) and ids == sorted(ids)
     s = ring.stats()
-    assert s.size == len(ids) == ring.client.hlen(ring.keys[2])
+    assert s.size == len(ids) == ring.client.hlen(ring.keys.ids)
     assert len(ids) >= 1000 - 400  # at most ~1 s of a 250 records/s stream lost
     assert ids[-1] == "c-000999"  # everything after the crash landed
 
@@ -269,7 +269,7 @@ def test_a_corrupt_record_in_redis_is_quarantined_and_counted(redis_url, redis_p
     m = BufferMetrics()
     ring = RedisRing("c", 6, url=redis_url, key_prefix=redis_prefix, metrics=m, seed=4)
     ring.insert([make_traj(i) for i in range(6)])
-    ring.client.set(ring.keys[4] + "t2", b"\x93not a record")  # a foreign writer's garbage
+    ring.client.set(ring.keys.rec + "t2", b"\x93not a record")  # a foreign writer's garbage
     batch = ring.sample(5)
     assert len(batch) == 5 and "t2" not in batch.traj_ids
     assert ring.stats().rejected == 1
@@ -307,10 +307,14 @@ def test_keys_live_under_the_prefix_only(redis_url, redis_prefix):
     buf = RedisRing("k", 10, url=redis_url, key_prefix=redis_prefix, prioritized=True)
     buf.insert([make_traj(0)])
     keys = {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")}
-    meta, ring, ids, tree, rec = run_keys(redis_prefix, "k")
-    assert keys == {meta, ring, ids, tree, rec + "t0"}
+    k = run_keys(redis_prefix, "k")
+    assert keys == {k.meta, k.ids, k.tree, k.sid, k.sver, k.rec + "t0"}
+    buf.sample(1)
+    buf.write_back(buf.items())
+    keys = {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")}
+    assert keys == {*k.stored, k.rec + "t0"}
     buf.reset()
-    assert {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")} == {meta}
+    assert {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")} == {k.meta}
 
 
 def test_the_deploy_redis_config_runs_with_aof_everysec(tmp_path):
@@ -349,3 +353,21 @@ def test_the_deploy_redis_config_runs_with_aof_everysec(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_background_sender_keeps_order_and_survives_an_outage(own_redis):
+    m = BufferMetrics()
+    ring = RedisRing("bg", 10_000, url=own_redis.url, key_prefix="t:", background=True, metrics=m)
+    ring.client.connection_pool.connection_kwargs["socket_timeout"] = 1.0
+    for k in range(10):
+        assert ring.insert([make_traj(10 * k + i) for i in range(10)]) == 0
+    assert ring.wait_sent(timeout=10)
+    own_redis.stop()
+    for k in range(10, 20):  # never blocks: the sender retries in the background
+        ring.insert([make_traj(10 * k + i) for i in range(10)])
+    own_redis.start()
+    assert ring.wait_sent(timeout=30)
+    ids = [int(t.traj_id[1:]) for t in ring.items()]
+    assert ids == list(range(200))
+    assert m.registry.get_sample_value("reval_buffer_inserts_total") == 200
+    ring.close()

@@ -349,3 +349,29 @@ def test_reset_empties_the_run(make_buffer):
     assert buf.stats() == type(buf.stats())(size=0, capacity=4, inserted=0, evicted=0, sampled=0)
     buf.insert([make_traj(7)])
     assert buf.sample(1).traj_ids == ["t7"]
+
+
+def test_prefetcher_hands_out_batches_drawn_ahead(make_buffer):
+    from buffer.prefetch import Prefetcher
+
+    buf = make_buffer(64, samples_per_insert=1.0)
+    buf.insert([make_traj(i) for i in range(16)])
+    with Prefetcher(buf, 8, depth=2, workers=2, poll_s=0.05) as pf:
+        got = [pf.get(timeout=10) for _ in range(2)]  # the limiter allows 16 = 2 batches
+        assert all(len(set(b.traj_ids)) == 8 for b in got)
+        with pytest.raises(SampleTimeout, match="prefetching"):
+            pf.get(timeout=0.3)  # rate limited: nothing more until producers insert
+        buf.insert([make_traj(i) for i in range(16, 24)])
+        assert len(pf.get(timeout=10)) == 8
+    assert buf.stats().sampled == 24
+
+
+def test_prefetcher_reports_a_broken_buffer():
+    from buffer.prefetch import Prefetcher
+
+    class Broken(MemoryRing):
+        def sample(self, batch_size, timeout=0.0):
+            raise RuntimeError("disk on fire")
+
+    with Prefetcher(Broken(4), 2, workers=1) as pf, pytest.raises(RuntimeError, match="fire"):
+        pf.get(timeout=5)
