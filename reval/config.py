@@ -104,9 +104,9 @@ class TaskConfig(_Section):
 class RolloutConfig(_Section):
     """Generation: how many answers per prompt and how they are sampled."""
 
-    engine: Literal["hf"] = "hf"
-    """Generation engine: HF transformers (CPU and GPU). The vLLM engine (GPU, the ``gpu`` extra)
-    joins this choice with the rollout-worker service."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine of the rollout workers: ``hf`` (transformers, CPU and GPU) or ``vllm``
+    (GPU, the ``gpu`` extra). The one-process ``reval train`` always uses ``hf``."""
     prompts_per_round: int = Field(32, ge=1)
     """Prompts sampled per generation round (the paper: 128)."""
     n: int = Field(8, ge=1)
@@ -117,6 +117,23 @@ class RolloutConfig(_Section):
     """Nucleus sampling mass."""
     max_new_tokens: int = Field(8, ge=1)
     """Longest answer; a truncated answer is terminal and scored by the verifier."""
+    worker_prompts: int | None = Field(None, ge=1)
+    """Prompts a rollout worker takes per generation batch (default: ``prompts_per_round``)."""
+    heartbeat_s: float = Field(5.0, gt=0)
+    """A rollout worker refreshes its registration this often; it expires after 3 beats."""
+    wait_for_weights: bool = True
+    """A rollout worker generates only once the learner has announced weights (else it starts
+    from its own initialization as version 0)."""
+    weights_poll_s: float = Field(1.0, gt=0)
+    """How often a waiting worker looks for the learner's first weights."""
+    verifier_workers: int = Field(2, ge=1)
+    """Grading processes per rollout worker (math tasks)."""
+    verifier_timeout_s: float = Field(5.0, gt=0)
+    """Per-answer grading timeout; a timeout scores 0 and is counted."""
+    vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """``vllm``: fraction of GPU memory vLLM may take."""
+    vllm_max_model_len: int | None = Field(None, ge=1)
+    """``vllm``: context length (default: the model's)."""
 
 
 class BufferConfig(_Section):
@@ -222,6 +239,8 @@ class SyncConfig(_Section):
     """Size of the packed buckets a broadcast sends; never one round trip per tensor."""
     timeout_s: float = Field(60.0, gt=0)
     """Timeout of every collective; a dead worker never blocks the learner longer than this."""
+    weights_dir: str | None = None
+    """Shared directory of the file transport of weights (default: ``{run_dir}/weights``)."""
 
 
 class MetricsConfig(_Section):

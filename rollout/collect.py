@@ -3,6 +3,7 @@ the success-rate evaluation over a task's prompts."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from buffer.records import Trajectory
 from reval.rewards import RewardVariant, transform_rewards
 from rollout.engines import GenerationEngine, SamplingParams
-from rollout.tasks import Prompt, Task
+from rollout.tasks import Prompt, Task, Verifier
 
 
 @dataclass
@@ -21,6 +22,8 @@ class RoundResult:
     """Mean raw reward (success rate of the round's samples)."""
     tokens: int
     """Response tokens generated."""
+    verify_s: float = 0.0
+    """Seconds spent grading."""
 
 
 def encode_prompts(
@@ -45,15 +48,17 @@ def collect_round(
     prompt_ids = encode_prompts(tokenizer, prompts)
     samples = engine.generate(prompt_ids, params, seed)
     rows: list[tuple[int, Prompt, str]] = []
-    raw: list[float] = []
+    pairs: list[tuple[Prompt, str]] = []
     flat = []
     for i, (prompt, group) in enumerate(zip(prompts, samples, strict=True)):
         gid = f"{group_prefix}-{i}"
         for s in group:
-            text = tokenizer.decode(s.token_ids, skip_special_tokens=True)
-            raw.append(task.verifier.score(prompt, text))
+            pairs.append((prompt, tokenizer.decode(s.token_ids, skip_special_tokens=True)))
             rows.append((i, prompt, gid))
             flat.append(s)
+    t0 = time.perf_counter()
+    raw = score_all(task.verifier, pairs)
+    verify_s = time.perf_counter() - t0
     rewards = transform_rewards(raw, [gid for _, _, gid in rows], reward_variant)
     trajectories = [
         Trajectory(
@@ -73,7 +78,18 @@ def collect_round(
     ]
     tokens = sum(int(s.token_ids.size) for s in flat)
     mean = sum(raw) / len(raw) if raw else 0.0
-    return RoundResult(trajectories=trajectories, reward_mean=mean, tokens=tokens)
+    return RoundResult(
+        trajectories=trajectories, reward_mean=mean, tokens=tokens, verify_s=verify_s
+    )
+
+
+def score_all(verifier: Verifier, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
+    """Scores of (prompt, response) pairs: in one batch when the verifier grades batches (the
+    process-pool math verifier), else one by one."""
+    many = getattr(verifier, "score_many", None)
+    if many is not None:
+        return [float(x) for x in many(list(pairs))]
+    return [verifier.score(p, r) for p, r in pairs]
 
 
 def evaluate(
@@ -93,9 +109,9 @@ def evaluate(
     samples = engine.generate(encode_prompts(tokenizer, prompts), params, seed)
     per_prompt = []
     for prompt, group in zip(prompts, samples, strict=True):
-        scores = [
-            task.verifier.score(prompt, tokenizer.decode(s.token_ids, skip_special_tokens=True))
-            for s in group
-        ]
+        scores = score_all(
+            task.verifier,
+            [(prompt, tokenizer.decode(s.token_ids, skip_special_tokens=True)) for s in group],
+        )
         per_prompt.append(sum(scores) / len(scores))
     return sum(per_prompt) / len(per_prompt)

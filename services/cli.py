@@ -33,18 +33,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--algo", choices=sorted(ALGO_OVERRIDES), help="loss (baselines: grpo, tbrm)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r = sub.add_parser("rollout", help="run one rollout worker (generate, verify, push)")
+    r.add_argument("--config", help="TOML config (default: configs/demo.toml)")
+    r.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set buffer.redis_url=redis://host:6379/0 (repeatable)",
+    )
+    r.add_argument("--worker-id", help="stable id of this worker (default: host-pid-random)")
+    r.add_argument("--max-batches", type=int, help="stop after this many generation batches")
+    r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    overrides = list(ALGO_OVERRIDES.get(args.algo, [])) + list(args.overrides)
+    algo = getattr(args, "algo", None)
+    overrides = list(ALGO_OVERRIDES.get(algo, [])) + list(args.overrides)
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"reval: {err}", file=sys.stderr)
         return 2
+    if args.command == "rollout":
+        if cfg.buffer.backend != "redis":
+            print(
+                "reval rollout: a rollout worker needs buffer.backend=redis (the replay service)",
+                file=sys.stderr,
+            )
+            return 2
+        from services.rollout import main as rollout_main
+
+        try:
+            return rollout_main(cfg, args.worker_id, args.max_batches, args.metrics_port)
+        except ValueError as err:  # a config the worker cannot run with
+            print(f"reval rollout: {err}", file=sys.stderr)
+            return 2
     if args.no_progress:
         cfg.metrics.progress = False
     # Heavy imports (torch, transformers) only after the config is known to be good.

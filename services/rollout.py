@@ -1,0 +1,328 @@
+"""``reval rollout``: one rollout worker (an actor of the actor-learner service).
+
+It registers itself in Redis with a heartbeat, waits until the learner has announced weights,
+then loops: take prompts from the shared deal, generate N answers each, verify them, transform the
+rewards per group, tag every trajectory with its policy version and push the batch into the
+replay service. Between batches it loads newer weights when the learner announced them. It never
+waits for the learner (pushes go through the replay client's retries and spool), survives a Redis
+restart, and on SIGTERM/SIGINT finishes the batch in hand, pushes it, deregisters and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from buffer.metrics import BufferMetrics
+from buffer.redis_ring import RedisRing
+from reval.config import RunConfig
+from reval.metrics import PREFIX
+from reval.policy import load_policy
+from reval.weight_sync import WeightStore
+from rollout.collect import collect_round
+from rollout.dealer import PromptDealer
+from rollout.engines import GenerationEngine, HFEngine, SamplingParams
+from rollout.tasks import Task, build_task
+
+log = logging.getLogger("reval.rollout")
+
+
+def worker_key(prefix: str, run: str, worker_id: str) -> str:
+    return f"{prefix}{{{run}}}:workers:{worker_id}"
+
+
+class RolloutMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        p = f"{PREFIX}rollout_"
+        self.tokens = Counter(f"{p}tokens", "Response tokens generated", registry=r)
+        self.trajectories = Counter(f"{p}trajectories", "Trajectories pushed", registry=r)
+        self.batches = Counter(f"{p}batches", "Generation batches", registry=r)
+        self.tokens_per_s = Gauge(f"{p}tokens_per_second", "Last batch tokens/s", registry=r)
+        self.traj_per_s = Gauge(
+            f"{p}trajectories_per_second", "Last batch trajectories/s", registry=r
+        )
+        self.reward = Gauge(f"{p}reward_mean", "Mean raw reward of the last batch", registry=r)
+        self.version = Gauge(f"{p}policy_version", "Version of the weights in use", registry=r)
+        self.weight_wait = Counter(
+            f"{p}weight_wait_seconds", "Time spent waiting for weights", registry=r
+        )
+        self.weight_loads = Counter(f"{p}weight_loads", "New weights loaded", registry=r)
+        self.verify_seconds = Histogram(
+            f"{p}verify_seconds",
+            "Grading time of one batch",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60),
+            registry=r,
+        )
+        self.gen_seconds = Histogram(
+            f"{p}generate_seconds",
+            "Generation time of one batch",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300),
+            registry=r,
+        )
+
+
+@dataclass
+class WorkerStats:
+    batches: int = 0
+    trajectories: int = 0
+    tokens: int = 0
+    weight_loads: int = 0
+    versions: list[int] = field(default_factory=list)
+
+
+def build_engine(cfg: RunConfig, seed: int) -> tuple[GenerationEngine, Any]:
+    """The configured engine and its tokenizer."""
+    if cfg.rollout.engine == "vllm":
+        from rollout.vllm_engine import VLLMEngine  # GPU only; imports vllm lazily
+
+        if cfg.model.name_or_path is None:
+            raise ValueError("rollout.engine=vllm needs model.name_or_path (a checkpoint)")
+        kw: dict[str, Any] = {"gpu_memory_utilization": cfg.rollout.vllm_gpu_memory_utilization}
+        if cfg.rollout.vllm_max_model_len is not None:
+            kw["max_model_len"] = cfg.rollout.vllm_max_model_len
+        engine = VLLMEngine(cfg.model.name_or_path, seed=seed, dtype=cfg.model.dtype, **kw)
+        return engine, engine.tokenizer
+    policy = load_policy(cfg.model, seed)
+    policy.model.eval()
+    return HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device), policy.tokenizer
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        worker_id: str | None = None,
+        metrics: RolloutMetrics | None = None,
+        client: redis.Redis | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.metrics = metrics or RolloutMetrics()
+        b = cfg.buffer
+        if b.backend != "redis":
+            raise ValueError("a rollout worker needs buffer.backend=redis (the replay service)")
+        self.client = client or redis.Redis.from_url(
+            b.redis_url, socket_timeout=30, socket_connect_timeout=2, health_check_interval=15
+        )
+        self.stop = threading.Event()
+        self.stats = WorkerStats()
+        self.engine, self.tokenizer = build_engine(cfg, cfg.seed)
+        self.task: Task = build_task(cfg.task, cfg.seed, self.tokenizer)
+        self.verifier_pool: Any = None
+        if cfg.task.kind == "math":
+            from rollout.verify import VerifierPool
+
+            self.verifier_pool = VerifierPool(
+                workers=cfg.rollout.verifier_workers,
+                timeout_s=cfg.rollout.verifier_timeout_s,
+                registry=self.metrics.registry,
+                **_verifier_options(self.task),
+            )
+            self.task.verifier = self.verifier_pool  # type: ignore[misc]
+        self.ring = RedisRing(
+            cfg.name,
+            b.capacity,
+            url=b.redis_url,
+            key_prefix=b.key_prefix,
+            metrics=BufferMetrics(self.metrics.registry),
+            spool_max_bytes=int(b.spool_max_mb * (1 << 20)),
+        )
+        self.dealer = PromptDealer(
+            self.client, b.key_prefix, cfg.name, list(self.task.prompts), seed=cfg.seed
+        )
+        weights_dir = cfg.sync.weights_dir or str(cfg.run_dir / "weights")
+        self.weights = WeightStore(self.client, b.key_prefix, cfg.name, weights_dir)
+        self.key = worker_key(b.key_prefix, cfg.name, self.worker_id)
+        self._heartbeat: threading.Thread | None = None
+        self.params = SamplingParams(
+            n=cfg.rollout.n,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+        )
+
+    # -- registration -------------------------------------------------------------------------
+
+    def _register(self, status: str) -> None:
+        info = {
+            "id": self.worker_id,
+            "engine": self.cfg.rollout.engine,
+            "device": str(getattr(self.engine, "device", "cuda")),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "policy_version": self.engine.policy_version,
+            "status": status,
+            "batches": self.stats.batches,
+            "trajectories": self.stats.trajectories,
+            "last_seen": time.time(),
+        }
+        ttl = max(1, int(3 * self.cfg.rollout.heartbeat_s + 0.999))
+        try:
+            self.client.set(self.key, json.dumps(info), ex=ttl)
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            log.warning("heartbeat failed (Redis unreachable): %s", err)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(self.cfg.rollout.heartbeat_s):
+            self._register("running")
+
+    def _deregister(self) -> None:
+        try:
+            self.client.delete(self.key)
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            log.warning("could not deregister (Redis unreachable): %s", err)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def _load(self, force: bool = False) -> bool:
+        """Load newer announced weights; True if it loaded."""
+        try:
+            ann = self.weights.latest()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        if ann is None or (not force and ann.version <= self.engine.policy_version):
+            return False
+        try:
+            tensors = self.weights.load(ann)
+        except FileNotFoundError:
+            log.warning("weights v%d were pruned before this worker read them", ann.version)
+            return False
+        self.engine.load_weights(tensors, ann.version)
+        self.stats.weight_loads += 1
+        self.metrics.weight_loads.inc()
+        self.metrics.version.set(ann.version)
+        log.info("worker %s: loaded weights v%d", self.worker_id, ann.version)
+        return True
+
+    def wait_for_weights(self, timeout_s: float | None = None) -> bool:
+        """Block until the learner has announced weights and they are loaded (or stop/timeout)."""
+        t0 = time.monotonic()
+        warned = False
+        while not self.stop.is_set():
+            if self._load(force=True):
+                self.metrics.weight_wait.inc(time.monotonic() - t0)
+                return True
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                break
+            if not warned and time.monotonic() - t0 > 10:
+                log.info("worker %s: waiting for the learner's first weights", self.worker_id)
+                warned = True
+            self.stop.wait(self.cfg.rollout.weights_poll_s)
+        self.metrics.weight_wait.inc(time.monotonic() - t0)
+        return False
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self, max_batches: int | None = None) -> WorkerStats:
+        self._register("starting")
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._heartbeat.start()
+        try:
+            if self.cfg.rollout.wait_for_weights and not self.wait_for_weights():
+                return self.stats
+            self._register("running")
+            n_prompts = self.cfg.rollout.worker_prompts or self.cfg.rollout.prompts_per_round
+            while not self.stop.is_set():
+                if max_batches is not None and self.stats.batches >= max_batches:
+                    break
+                if self._load():
+                    self._register("running")
+                self._batch(n_prompts)
+        finally:
+            self.shutdown()
+        return self.stats
+
+    def _batch(self, n_prompts: int) -> None:
+        dealt = self.dealer.take(n_prompts)
+        prompts = [p for _, p in dealt]
+        tag = f"{self.cfg.seed}/{self.worker_id}/{self.stats.batches}".encode()
+        seed = zlib.crc32(tag) & 0x7FFFFFFF  # stable across processes, unlike hash()
+        t0 = time.perf_counter()
+        result = collect_round(
+            self.engine,
+            self.tokenizer,
+            self.task,
+            prompts,
+            self.params,
+            seed=seed,
+            reward_variant=self.cfg.algo.reward,
+            group_prefix=f"{self.worker_id}-{self.stats.batches}",
+            run_id=self.cfg.name,
+            worker_id=self.worker_id,
+        )
+        seconds = time.perf_counter() - t0
+        self.ring.insert(result.trajectories)  # never waits for the learner; spools if needed
+        self.stats.batches += 1
+        self.stats.trajectories += len(result.trajectories)
+        self.stats.tokens += result.tokens
+        self.stats.versions.append(self.engine.policy_version)
+        m = self.metrics
+        m.batches.inc()
+        m.trajectories.inc(len(result.trajectories))
+        m.tokens.inc(result.tokens)
+        m.tokens_per_s.set(result.tokens / max(seconds, 1e-9))
+        m.traj_per_s.set(len(result.trajectories) / max(seconds, 1e-9))
+        m.reward.set(result.reward_mean)
+        m.verify_seconds.observe(result.verify_s)
+        m.gen_seconds.observe(max(0.0, seconds - result.verify_s))
+        m.version.set(self.engine.policy_version)
+
+    def shutdown(self) -> None:
+        """Push what is finished (flush the spool), deregister, release the grading pool."""
+        self.stop.set()
+        self.ring.close(flush_s=30.0)
+        if self.ring.spooled:
+            n = self.ring.spooled
+            log.error("worker %s: %d trajectories could not be pushed", self.worker_id, n)
+        self._deregister()
+        if self.verifier_pool is not None:
+            self.verifier_pool.close()
+
+
+def _verifier_options(task: Task) -> dict[str, Any]:
+    v = task.verifier
+    return {"require_think": bool(getattr(v, "require_think", False))}
+
+
+def main(cfg: RunConfig, worker_id: str | None, max_batches: int | None, port: int | None) -> int:
+    metrics = RolloutMetrics()
+    worker = RolloutWorker(cfg, worker_id, metrics)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("worker %s: signal %d, draining", worker.worker_id, signum)
+        worker.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    stats = worker.run(max_batches)
+    print(
+        json.dumps(
+            {
+                "worker": worker.worker_id,
+                "batches": stats.batches,
+                "trajectories": stats.trajectories,
+                "tokens": stats.tokens,
+                "weight_loads": stats.weight_loads,
+                "versions": sorted(set(stats.versions)),
+            }
+        ),
+        flush=True,
+    )
+    return 0

@@ -1,0 +1,299 @@
+"""Rollout workers against the real Redis: the shared prompt deal, the weights announcement, the
+worker process (`reval rollout`) producing valid records, two workers sharing one epoch, SIGTERM
+drain, a Redis restart mid-stream, waiting for the learner's weights."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from buffer.redis_ring import RedisRing
+from reval.config import load_config
+from reval.policy import load_policy
+from reval.weight_sync import WeightStore
+from rollout.dealer import PromptDealer
+from rollout.tasks import Prompt
+from services.rollout import RolloutWorker, worker_key
+from tests.integration.test_redis_buffer import OwnRedis
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WORKER = [
+    "task.kind=addition",
+    "rollout.n=4",
+    "rollout.worker_prompts=10",
+    "rollout.max_new_tokens=4",
+    "rollout.heartbeat_s=0.5",
+    "rollout.weights_poll_s=0.1",
+    "buffer.backend=redis",
+    "buffer.capacity=5000",
+    "learner.batch_size=32",
+    "metrics.progress=false",
+]
+
+
+def worker_cfg(tmp_path: Path, url: str, prefix: str, *extra: str):
+    return load_config(
+        overrides=[
+            *WORKER,
+            f"buffer.redis_url={url}",
+            f"buffer.key_prefix={prefix}",
+            f"output_dir={tmp_path}",
+            "name=w",
+            *extra,
+        ],
+        environ={},
+    )
+
+
+def publish(cfg, version: int, perturb: float = 0.0) -> None:
+    """The learner's side: announce weights (built like the worker's, optionally perturbed)."""
+    policy = load_policy(cfg.model, cfg.seed)
+    if perturb:
+        with torch.no_grad():
+            for p in policy.model.parameters():
+                p.add_(perturb * torch.randn_like(p))
+    store = WeightStore(
+        redis.Redis.from_url(cfg.buffer.redis_url),
+        cfg.buffer.key_prefix,
+        cfg.name,
+        cfg.sync.weights_dir or cfg.run_dir / "weights",
+    )
+    store.publish(policy.model.named_parameters(), version)
+
+
+def ring_of(cfg) -> RedisRing:
+    return RedisRing(
+        cfg.name, cfg.buffer.capacity, url=cfg.buffer.redis_url, key_prefix=cfg.buffer.key_prefix
+    )
+
+
+def spawn(cfg_args: list[str], *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "services.cli", "rollout"]
+    for a in cfg_args:
+        cmd += ["--set", a]
+    return subprocess.Popen(
+        [*cmd, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def cli_args(tmp_path: Path, url: str, prefix: str, *extra: str) -> list[str]:
+    return [
+        *WORKER,
+        f"buffer.redis_url={url}",
+        f"buffer.key_prefix={prefix}",
+        f"output_dir={tmp_path}",
+        "name=w",
+        *extra,
+    ]
+
+
+def summary(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# -- the deal -----------------------------------------------------------------------------------
+
+
+def test_dealers_share_an_epoch_without_duplicates_and_resume(redis_url, redis_prefix):
+    client = redis.Redis.from_url(redis_url)
+    prompts = [Prompt(f"p{i}", f"q{i}", "a") for i in range(50)]
+    got: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def worker(k: int) -> None:
+        dealer = PromptDealer(client, redis_prefix, "run", prompts, seed=3)
+        for _ in range(5):
+            batch = dealer.take(7)
+            with lock:
+                got.extend((e, p.id) for e, p in batch)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 105
+    first = Counter(pid for e, pid in got if e == 0)
+    assert len(first) == 50 and set(first.values()) == {1}  # epoch 0: each prompt exactly once
+    second = [pid for e, pid in got if e == 1]
+    assert len(second) == 50 and len(set(second)) == 50
+    third = [pid for e, pid in got if e == 2]
+    assert len(third) == 5 and len(set(third)) == 5
+    # A restarted worker resumes the deal where the fleet stopped.
+    again = PromptDealer(client, redis_prefix, "run", prompts, seed=3)
+    assert again.position() == {"dealt": 105, "epoch": 2, "offset": 5, "prompts": 50}
+    rest = [p.id for _, p in again.take(45)]
+    assert set(rest) | set(third) == {p.id for p in prompts}
+    # Another dataset gets its own deal.
+    other = PromptDealer(client, redis_prefix, "run", prompts[:10], seed=3)
+    assert other.position()["dealt"] == 0
+    with pytest.raises(ValueError):
+        PromptDealer(client, redis_prefix, "run", [], seed=3)
+
+
+def test_weights_are_published_atomically_and_pruned(tmp_path, redis_url, redis_prefix):
+    client = redis.Redis.from_url(redis_url)
+    store = WeightStore(client, redis_prefix, "run", tmp_path / "w", keep=2)
+    assert store.latest() is None
+    for v in range(4):
+        store.publish([("a", torch.full((3,), float(v))), ("b", torch.zeros(2))], v)
+    ann = store.latest()
+    assert ann is not None and ann.version == 3
+    tensors = dict(store.load(ann))
+    assert torch.equal(tensors["a"], torch.full((3,), 3.0))
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [
+        "v00000002.safetensors",
+        "v00000003.safetensors",
+    ]
+
+
+# -- the worker ----------------------------------------------------------------------------------
+
+
+def test_worker_process_pushes_valid_records(tmp_path, redis_url, redis_prefix):
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix)
+    publish(cfg, 0)
+    p = spawn(
+        cli_args(tmp_path, redis_url, redis_prefix), "--max-batches", "2", "--worker-id", "w0"
+    )
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    s = summary(out)
+    assert s["batches"] == 2 and s["trajectories"] == 80 and s["versions"] == [0]
+    items = ring_of(cfg).items()
+    assert len(items) == 80
+    for t in items:
+        t.validate()
+        assert t.worker_id == "w0" and t.run_id == "w" and t.policy_version == 0
+        assert t.finish_reason in ("stop", "length") and t.reward_raw in (0.0, 1.0)
+    groups = Counter(t.group_id for t in items)
+    assert len(groups) == 20 and set(groups.values()) == {4}  # N answers per prompt
+    # binary rewards with the default transform: reward == raw
+    assert all(t.reward == t.reward_raw for t in items)
+    client = redis.Redis.from_url(redis_url)
+    assert client.get(worker_key(redis_prefix, "w", "w0")) is None  # deregistered
+
+
+def test_two_worker_processes_share_one_epoch(tmp_path, redis_url, redis_prefix):
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix)
+    publish(cfg, 0)
+    args = cli_args(tmp_path, redis_url, redis_prefix)
+    procs = [spawn(args, "--max-batches", "5", "--worker-id", f"w{k}") for k in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+    items = ring_of(cfg).items()
+    assert len(items) == 2 * 5 * 10 * 4
+    per_prompt = Counter(t.prompt_id for t in items)
+    assert len(per_prompt) == 100 and set(per_prompt.values()) == {4}  # one epoch, no dupes
+    assert {t.worker_id for t in items} == {"w0", "w1"}
+
+
+def test_worker_takes_new_weights_between_batches(tmp_path, redis_url, redis_prefix):
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix, "rollout.worker_prompts=4")
+    publish(cfg, 0)
+    worker = RolloutWorker(cfg, "wv")
+    done = threading.Event()
+
+    def learner() -> None:
+        while worker.stats.batches < 1 and not done.is_set():
+            time.sleep(0.01)
+        publish(cfg, 7, perturb=0.5)
+
+    t = threading.Thread(target=learner)
+    t.start()
+    stats = worker.run(max_batches=6)
+    done.set()
+    t.join()
+    assert stats.versions[0] == 0 and stats.versions[-1] == 7
+    assert stats.weight_loads == 2  # v0 at start, v7 between batches
+    versions = Counter(t.policy_version for t in ring_of(cfg).items())
+    assert set(versions) == {0, 7}
+    assert worker.metrics.registry.get_sample_value("reval_rollout_policy_version") == 7
+
+
+def test_worker_waits_for_the_learners_weights(tmp_path, redis_url, redis_prefix):
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix, "rollout.worker_prompts=2")
+    worker = RolloutWorker(cfg, "ww")
+    timer = threading.Timer(0.8, lambda: publish(cfg, 3))
+    timer.start()
+    t0 = time.monotonic()
+    stats = worker.run(max_batches=1)
+    timer.join()
+    assert time.monotonic() - t0 >= 0.7
+    assert stats.versions == [3]
+    waited = worker.metrics.registry.get_sample_value("reval_rollout_weight_wait_seconds_total")
+    assert waited >= 0.7
+
+
+def test_sigterm_drains_and_deregisters(tmp_path, redis_url, redis_prefix):
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix)
+    publish(cfg, 0)
+    p = spawn(cli_args(tmp_path, redis_url, redis_prefix), "--worker-id", "wt")
+    client = redis.Redis.from_url(redis_url)
+    key = worker_key(redis_prefix, "w", "wt")
+    ring = ring_of(cfg)
+    deadline = time.monotonic() + 120
+    while len(ring) < 40:
+        assert p.poll() is None, p.stderr.read() if p.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    info = json.loads(client.get(key))
+    assert info["status"] == "running" and info["engine"] == "hf"
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    s = summary(out)
+    assert s["trajectories"] == len(ring) >= 40  # everything finished was pushed
+    assert client.get(key) is None
+
+
+def test_redis_restart_mid_stream_loses_nothing(tmp_path):
+    server = OwnRedis(tmp_path / "redis")
+    (tmp_path / "redis").mkdir()
+    server.start()
+    try:
+        prefix = "reval-test:wr:"
+        cfg = worker_cfg(tmp_path, server.url, prefix, "rollout.worker_prompts=5")
+        publish(cfg, 0)
+        p = spawn(
+            cli_args(tmp_path, server.url, prefix, "rollout.worker_prompts=5"),
+            "--max-batches",
+            "30",
+            "--worker-id",
+            "wr",
+        )
+        ring = ring_of(cfg)
+        deadline = time.monotonic() + 120
+        while len(ring) < 40:
+            assert p.poll() is None
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.stop(signal.SIGTERM)
+        time.sleep(1.0)
+        server.start()
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        assert summary(out)["trajectories"] == 30 * 5 * 4
+        items = ring.items()
+        assert len(items) == 600 and len({t.traj_id for t in items}) == 600
+    finally:
+        if server.proc is not None:
+            server.stop(signal.SIGKILL)
+
+
+def test_rollout_cli_refuses_the_embedded_buffer(tmp_path):
+    p = spawn(["buffer.backend=memory", f"output_dir={tmp_path}"], "--max-batches", "1")
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "buffer.backend=redis" in err
