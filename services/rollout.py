@@ -34,7 +34,7 @@ from reval.weight_sync import WeightStore
 from rollout.collect import collect_round
 from rollout.dealer import PromptDealer
 from rollout.engines import GenerationEngine, HFEngine, SamplingParams
-from rollout.tasks import Task, build_task
+from rollout.tasks import Prompt, Task, build_task
 
 log = logging.getLogger("reval.rollout")
 
@@ -123,15 +123,16 @@ class RolloutWorker:
         self.task: Task = build_task(cfg.task, cfg.seed, self.tokenizer)
         self.verifier_pool: Any = None
         if cfg.task.kind == "math":
-            from rollout.verify import VerifierPool
+            from rollout.verify import MathVerify, VerifierPool
 
+            require_think = bool(getattr(self.task.verifier, "require_think", False))
             self.verifier_pool = VerifierPool(
+                MathVerify(require_think=require_think),
                 workers=cfg.rollout.verifier_workers,
-                timeout_s=cfg.rollout.verifier_timeout_s,
+                timeout=cfg.rollout.verifier_timeout_s,
                 registry=self.metrics.registry,
-                **_verifier_options(self.task),
             )
-            self.task.verifier = self.verifier_pool  # type: ignore[misc]
+            self.task.verifier = PooledVerifier(self.verifier_pool)  # type: ignore[misc]
         self.ring = RedisRing(
             cfg.name,
             b.capacity,
@@ -292,9 +293,18 @@ class RolloutWorker:
             self.verifier_pool.close()
 
 
-def _verifier_options(task: Task) -> dict[str, Any]:
-    v = task.verifier
-    return {"require_think": bool(getattr(v, "require_think", False))}
+class PooledVerifier:
+    """The ``Verifier`` of math tasks in a worker: math-verify in the process pool, a batch of
+    (prompt, response) pairs per call."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        return float(self.pool.score_many([(prompt.answer, response)])[0])
+
+    def score_many(self, pairs: list[tuple[Prompt, str]]) -> list[float]:
+        return [float(x) for x in self.pool.score_many([(p.answer, r) for p, r in pairs])]
 
 
 def main(cfg: RunConfig, worker_id: str | None, max_batches: int | None, port: int | None) -> int:

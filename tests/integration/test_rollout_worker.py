@@ -297,3 +297,36 @@ def test_rollout_cli_refuses_the_embedded_buffer(tmp_path):
     p = spawn(["buffer.backend=memory", f"output_dir={tmp_path}"], "--max-batches", "1")
     _, err = p.communicate(timeout=120)
     assert p.returncode == 2 and "buffer.backend=redis" in err
+
+
+def test_math_worker_grades_in_the_process_pool(tmp_path, redis_url, redis_prefix):
+    """A DeepScaleR-format file (with bad rows) through the worker: graded by math-verify in the
+    process pool, bad rows skipped and counted."""
+    rows = [{"problem": f"{i}+{i}", "answer": str(2 * i)} for i in range(6)]
+    rows += [{"problem": "", "answer": "1"}, {"answer": "2"}]
+    data = tmp_path / "math.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = worker_cfg(
+        tmp_path,
+        redis_url,
+        redis_prefix,
+        "task.kind=math",
+        f"task.dataset={data}",
+        "rollout.worker_prompts=6",
+        "rollout.max_new_tokens=6",
+        "rollout.verifier_workers=1",
+    )
+    publish(cfg, 0)
+    worker = RolloutWorker(cfg, "wm")
+    assert worker.task.skipped == {"empty_problem": 1, "missing_field": 1}  # type: ignore[attr-defined]
+    # A correct answer the tiny model will not write by itself still grades 1 through the pool.
+    scores = worker.task.verifier.score_many(  # type: ignore[attr-defined]
+        [(worker.task.prompts[1], "so \\boxed{\\frac{4}{2}}"), (worker.task.prompts[1], "3")]
+    )
+    assert scores == [1.0, 0.0]
+    stats = worker.run(max_batches=1)
+    assert stats.trajectories == 24
+    r = worker.metrics.registry
+    assert r.get_sample_value("reval_verifier_answers_total") >= 26
+    assert r.get_sample_value("reval_rollout_verify_seconds_count") == 1
+    assert len(ring_of(cfg).items()) == 24
