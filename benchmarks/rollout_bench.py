@@ -75,7 +75,11 @@ def main() -> int:
         )  # fmt: skip
         gen_s += time.perf_counter() - t0 - res.verify_s
         verify_s += res.verify_s
-        texts += [(chosen[0], f"\\boxed{{{p.answer}}}") for p in chosen for _ in range(params.n)]
+        by_id = {p.id: p for p in chosen}
+        texts += [
+            (by_id[t.prompt_id], "\\boxed{" + policy.tokenizer.decode(t.response_ids) + "}")
+            for t in res.trajectories
+        ]  # what math-verify would grade: this model's answers, boxed
     print("\n| verifier | answers/round | grading s/round | generation s/round | grading share |")
     print("|---|---|---|---|---|")
     per = cfg.rollout.prompts_per_round * cfg.rollout.n
@@ -103,7 +107,8 @@ def main() -> int:
             score_all(Pooled(pool), batch)
         pv = (time.perf_counter() - t0) / args.rounds
     print(
-        f"| math-verify, pool of {args.pool_workers} (same answers, boxed) | {per} | {pv:.4f} | "
+        f"| math-verify, pool of {args.pool_workers} (this model's answers, boxed) | {per} | "
+        f"{pv:.4f} | "
         f"{g:.3f} | {pv / (g + pv):.1%} |"
     )
     return 0
