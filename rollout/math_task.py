@@ -148,8 +148,10 @@ class MathTask:
         template: str = "plain",
         tokenizer: Any | None = None,
         max_prompt_chars: int | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> MathTask:
-        """Bad rows (missing fields, empty problem, over-long prompt) are skipped and counted."""
+        """Bad rows (missing fields, empty problem, over-long prompt) are skipped and counted.
+        ``max_prompt_tokens`` counts the templated prompt's tokens with ``tokenizer``."""
         prompts: list[Prompt] = []
         skipped: dict[str, int] = {}
         for i, row in enumerate(rows):
@@ -161,7 +163,11 @@ class MathTask:
                 reason = "empty_problem"
             else:
                 text = format_prompt(problem, template, tokenizer)
-                if max_prompt_chars is not None and len(text) > max_prompt_chars:
+                if (max_prompt_chars is not None and len(text) > max_prompt_chars) or (
+                    max_prompt_tokens is not None
+                    and tokenizer is not None
+                    and len(tokenizer(text, add_special_tokens=False).input_ids) > max_prompt_tokens
+                ):
                     reason = "too_long"
                 else:
                     prompts.append(Prompt(id=str(row.get("id", i)), text=text, answer=str(answer)))
@@ -177,10 +183,14 @@ class MathTask:
     def from_config(cls, cfg: TaskConfig, tokenizer: Any | None = None) -> MathTask:
         if not cfg.dataset:
             raise ValueError("task.kind=math needs task.dataset (a file or a dataset name)")
-        # Characters bound tokens from above for any tokenizer; the exact token limit is applied
-        # by the generator against the model's tokenizer.
+        # Without a tokenizer, characters bound tokens from above (a token is at most ~8 chars
+        # for the tokenizers in use); with one, the templated prompt's tokens are counted.
         return cls.from_rows(
-            read_rows(cfg.dataset, cfg.split), cfg.template, tokenizer, cfg.max_prompt_tokens * 8
+            read_rows(cfg.dataset, cfg.split),
+            cfg.template,
+            tokenizer,
+            cfg.max_prompt_tokens * 8 if tokenizer is None else None,
+            cfg.max_prompt_tokens if tokenizer is not None else None,
         )
 
     def pretrain_texts(self, rng: Any, count: int) -> list[str]:

@@ -303,7 +303,7 @@ def test_math_worker_grades_in_the_process_pool(tmp_path, redis_url, redis_prefi
     """A DeepScaleR-format file (with bad rows) through the worker: graded by math-verify in the
     process pool, bad rows skipped and counted."""
     rows = [{"problem": f"{i}+{i}", "answer": str(2 * i)} for i in range(6)]
-    rows += [{"problem": "", "answer": "1"}, {"answer": "2"}]
+    rows += [{"problem": "", "answer": "1"}, {"answer": "2"}, {"problem": "9" * 60, "answer": "3"}]
     data = tmp_path / "math.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = worker_cfg(
@@ -315,10 +315,11 @@ def test_math_worker_grades_in_the_process_pool(tmp_path, redis_url, redis_prefi
         "rollout.worker_prompts=6",
         "rollout.max_new_tokens=6",
         "rollout.verifier_workers=1",
+        "task.max_prompt_tokens=50",
     )
     publish(cfg, 0)
     worker = RolloutWorker(cfg, "wm")
-    assert worker.task.skipped == {"empty_problem": 1, "missing_field": 1}  # type: ignore[attr-defined]
+    assert worker.task.skipped == {"empty_problem": 1, "missing_field": 1, "too_long": 1}  # type: ignore[attr-defined]
     # A correct answer the tiny model will not write by itself still grades 1 through the pool.
     scores = worker.task.verifier.score_many(  # type: ignore[attr-defined]
         [(worker.task.prompts[1], "so \\boxed{\\frac{4}{2}}"), (worker.task.prompts[1], "3")]
