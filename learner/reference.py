@@ -8,7 +8,7 @@ version, so every cached value becomes stale and is recomputed on next use; neve
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -18,8 +18,21 @@ from learner.sequence import collate, policy_stats
 
 
 class ReferencePolicy:
-    def __init__(self, policy: nn.Module, pad_id: int, eos_id: int, micro_batch_size: int) -> None:
-        self.model = copy.deepcopy(policy)
+    def __init__(
+        self,
+        policy: nn.Module,
+        pad_id: int,
+        eos_id: int,
+        micro_batch_size: int,
+        model: nn.Module | None = None,
+        sync_chunks: Callable[[int], int] | None = None,
+    ) -> None:
+        """``model``: a ready copy of the policy (the learner service passes an FSDP-sharded
+        one); by default a deep copy. ``sync_chunks``: under FSDP every rank must run the same
+        number of forward passes: it maps this rank's count of micro-batches to the largest over
+        the ranks, and ranks with fewer run repeats whose results they drop."""
+        self.sync_chunks = sync_chunks
+        self.model = model if model is not None else copy.deepcopy(policy)
         self.model.eval()
         self.model.requires_grad_(False)
         self.pad_id = pad_id
@@ -30,10 +43,12 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def reset(self, policy: nn.Module) -> None:
-        """Copy the policy's current weights into the reference; invalidates every cache."""
-        src = policy.state_dict()
-        for name, tensor in self.model.state_dict().items():
-            tensor.copy_(src[name])
+        """Copy the policy's current weights into the reference; invalidates every cache.
+        (Shard to shard under FSDP: both are sharded the same way.)"""
+        for dst, src in zip(self.model.parameters(), policy.parameters(), strict=True):
+            dst.copy_(src)
+        for dst, src in zip(self.model.buffers(), policy.buffers(), strict=True):
+            dst.copy_(src)
         self.version += 1
 
     @torch.no_grad()
@@ -41,7 +56,14 @@ class ReferencePolicy:
         """Compute and cache the reference quantities of every trajectory whose cache is missing
         or from another reference version; returns how many were computed."""
         stale = [t for t in trajectories if t.ref_version != self.version]
-        for start in range(0, len(stale), self.micro_batch_size):
+        starts = list(range(0, len(stale), self.micro_batch_size))
+        if self.sync_chunks is not None and trajectories:
+            extra = self.sync_chunks(len(starts)) - len(starts)
+            if extra > 0:  # keep the FSDP collectives in step with the other ranks
+                batch = collate(list(trajectories[:1]), self.pad_id, self.eos_id).to(device)
+                for _ in range(extra):
+                    policy_stats(self.model, batch)
+        for start in starts:
             chunk = stale[start : start + self.micro_batch_size]
             batch = collate(chunk, self.pad_id, self.eos_id).to(device)
             stats = policy_stats(self.model, batch)

@@ -4,7 +4,7 @@ grad clip with the pre-clip norm logged, non-finite steps skipped."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,13 +36,32 @@ class Learner:
     step: int = 0
     """Optimizer steps taken (skipped ones excluded)."""
     skipped_steps: int = 0
+    reference_model: nn.Module | None = None
+    """A ready reference copy (the learner service passes an FSDP-sharded one)."""
+    reduce: Callable[[float, str], float] | None = None
+    """Distributed learner: ``reduce(x, "sum" | "max")`` over the ranks (GRPO's token count, the
+    reference's micro-batch count). None in one process. Each rank updates on an equal share of
+    the batch; FSDP averages the gradients over ranks, so the value losses' per-share mean is the
+    batch mean, and GRPO's token mean divides by the batch's tokens over the world size."""
     reference: ReferencePolicy = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
 
     def __post_init__(self) -> None:
         self.model.train()
+        sync = None
+        if self.reduce is not None:
+            reduce = self.reduce
+
+            def sync(n: int) -> int:
+                return int(reduce(float(n), "max"))
+
         self.reference = ReferencePolicy(
-            self.model, self.pad_id, self.eos_id, self.learner_cfg.micro_batch_size
+            self.model,
+            self.pad_id,
+            self.eos_id,
+            self.learner_cfg.micro_batch_size,
+            model=self.reference_model,
+            sync_chunks=sync,
         )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -83,6 +102,8 @@ class Learner:
             raw = torch.tensor([t.reward_raw for t in trajectories])
             advantages = grpo_advantages(raw, [t.group_id for t in trajectories])
             denom = float(sum(float(b.mask.sum()) for b in batches))  # token mean over all B
+            if self.reduce is not None:
+                denom = self.reduce(denom, "sum") / self.reduce(1.0, "sum")
         totals: dict[str, float] = {}
         loss_total = 0.0
         deltas = []

@@ -201,6 +201,12 @@ class LearnerConfig(_Section):
     """AdamW betas."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global grad norm to this; steps with a non-finite norm are skipped."""
+    world_size: int = Field(1, ge=1)
+    """Learner ranks of ``reval learner`` (FSDP2 over all of them: gloo on CPU, NCCL on GPU)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps of ``reval learner`` (default: ``rounds * updates_per_round``)."""
+    sample_prefetch: int = Field(1, ge=0)
+    """``reval learner``: batches sampled ahead while an update runs (0: none)."""
     ref_reset_steps: int = Field(200, ge=0)
     """Copy the policy into the reference every this many rounds (the paper: 200; 0 = never)."""
     checkpoint_every: int = Field(0, ge=0)

@@ -82,8 +82,11 @@ class HFEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        # state_dict names include tied aliases (lm_head.weight of a tied embedding), which
+        # a full state dict from the learner carries too.
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
+        params.update(self.model.state_dict(keep_vars=True))
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"load_weights: the model has no tensor named {name!r}")

@@ -33,6 +33,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--algo", choices=sorted(ALGO_OVERRIDES), help="loss (baselines: grpo, tbrm)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    le = sub.add_parser("learner", help="run the learner service (FSDP2 ranks)")
+    le.add_argument("--config", help="TOML config (default: configs/demo.toml)")
+    le.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field (repeatable)",
+    )
+    le.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    le.add_argument("--nproc", type=int, help="ranks to spawn (default learner.world_size)")
     r = sub.add_parser("rollout", help="run one rollout worker (generate, verify, push)")
     r.add_argument("--config", help="TOML config (default: configs/demo.toml)")
     r.add_argument(
@@ -59,6 +71,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"reval: {err}", file=sys.stderr)
         return 2
+    if args.command == "learner":
+        if cfg.buffer.backend != "redis":
+            print("reval learner: the learner service needs buffer.backend=redis", file=sys.stderr)
+            return 2
+        from learner.service import main as learner_main
+
+        return learner_main(cfg, resume=args.resume, nproc=args.nproc)
     if args.command == "rollout":
         if cfg.buffer.backend != "redis":
             print(

@@ -1,0 +1,486 @@
+"""``reval learner``: the learner half of the actor-learner service.
+
+One process per rank under torch.distributed (gloo on CPU, NCCL on GPU; the same code), the
+policy and the frozen reference sharded with FSDP2 (``fully_shard`` per decoder layer, then the
+root). Rank 0 samples batches from the replay service (under its sample-to-insert limiter,
+prefetching the next batch while an update runs) and hands each rank an equal share; every rank
+updates on its share (FSDP averages the gradients), writes back its share's cached reference
+quantities and priorities. After every ``sync.every`` updates the full weights are gathered on
+rank 0, written and announced to the rollout workers (``reval/weight_sync.py``). Checkpoints with
+torch distributed checkpoint every ``learner.checkpoint_every`` updates and on SIGTERM;
+``--resume`` continues with the same step, policy version, reference and optimizer state (the
+buffer is in Redis: nothing generated is lost). A consolidated Hugging Face checkpoint is
+exported at the end (and on demand with ``--export``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from buffer.base import SampleTimeout
+from buffer.metrics import BufferMetrics
+from buffer.prefetch import Prefetcher
+from buffer.records import Trajectory
+from buffer.redis_ring import RedisRing
+from learner.trainer import Learner
+from reval.config import RunConfig, dump_config
+from reval.metrics import PREFIX, JsonlWriter
+from reval.policy import load_policy
+from reval.weight_sync import WeightStore
+
+log = logging.getLogger("reval.learner")
+
+
+@dataclass
+class LearnerState:
+    step: int = 0
+    """Optimizer steps taken = the policy version of the weights."""
+    updates: int = 0
+    """Update attempts (skipped non-finite steps included)."""
+    ref_version: int = 0
+    ref_resets: int = 0
+
+
+class LearnerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = f"{PREFIX}learner_"
+        self.loss = Gauge(f"{p}loss", "Loss of the last update", registry=r)
+        self.grad_norm = Gauge(f"{p}grad_norm", "Pre-clip grad norm of the last update", registry=r)
+        self.updates = Counter(f"{p}updates", "Optimizer steps", registry=r)
+        self.skipped = Counter(f"{p}skipped_steps", "Steps skipped (non-finite norm)", registry=r)
+        self.version = Gauge(f"{PREFIX}policy_version", "Version of the policy", registry=r)
+        self.wait_data = Counter(f"{p}wait_data_seconds", "Time waiting for a batch", registry=r)
+        self.update_s = Counter(f"{p}update_seconds", "Time in updates", registry=r)
+        self.sync_s = Counter(f"{p}sync_seconds", "Time publishing weights", registry=r)
+        self.staleness = Gauge(f"{p}staleness_mean", "Mean lag of the last batch", registry=r)
+        self.reward = Gauge(
+            f"{p}batch_reward_mean", "Mean raw reward of the last batch", registry=r
+        )
+        self.workers = Gauge(f"{p}workers_alive", "Rollout workers registered", registry=r)
+
+
+def _shard(model: nn.Module, mesh: Any) -> nn.Module:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is not None:
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _reduce(x: float, op: str) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def split_shares(batch: Sequence[Trajectory], world: int) -> list[list[Trajectory]]:
+    """Equal contiguous shares in group order (a group stays on one rank when ``n`` divides the
+    share, which GRPO needs)."""
+    ordered = sorted(batch, key=lambda t: t.group_id)
+    size = len(ordered) // world
+    return [list(ordered[r * size : (r + 1) * size]) for r in range(world)]
+
+
+class LearnerService:
+    def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        b = cfg.batch_size
+        if b % self.world:
+            raise ValueError(f"learner.batch_size ({b}) must divide by world_size ({self.world})")
+        self.device = torch.device("cuda", self.rank % torch.cuda.device_count()) if (
+            torch.cuda.is_available() and cfg.model.device != "cpu"
+        ) else torch.device("cpu")  # fmt: skip
+        self.run_dir = cfg.run_dir
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.metrics = LearnerMetrics()
+        self.stop = threading.Event()
+        self.state = LearnerState()
+        self.last_staleness = 0.0
+        bc = cfg.buffer
+        self.ring = RedisRing(
+            cfg.name,
+            bc.capacity,
+            url=bc.redis_url,
+            key_prefix=bc.key_prefix,
+            seed=cfg.seed * 7919 + self.rank,
+            samples_per_insert=bc.samples_per_insert,
+            rate_slack=bc.rate_slack,
+            min_size_to_sample=bc.min_size_to_sample,
+            max_staleness=bc.max_staleness,
+            prioritized=bc.prioritized,
+            priority_alpha=bc.priority_alpha,
+            priority_beta=bc.priority_beta,
+            priority_eps=bc.priority_eps,
+            retry_s=bc.sample_timeout_s,
+            metrics=BufferMetrics(self.metrics.registry) if self.rank == 0 else None,
+        )
+        self.client = redis.Redis.from_url(bc.redis_url, socket_timeout=30)
+        self.weights = WeightStore(
+            self.client,
+            bc.key_prefix,
+            cfg.name,
+            cfg.sync.weights_dir or str(self.run_dir / "weights"),
+        )
+        # Identical initial weights on every rank: rank 0 builds (and pretrains the tiny model),
+        # then broadcasts before sharding.
+        torch.manual_seed(cfg.seed)
+        policy = load_policy(cfg.model.model_copy(update={"device": "cpu"}), cfg.seed)
+        self.tokenizer = policy.tokenizer
+        if self.rank == 0 and cfg.model.pretrain_steps and not resume:
+            from rollout.pretrain import pretrain
+            from rollout.tasks import build_task
+
+            task = build_task(cfg.task, cfg.seed, policy.tokenizer)
+            m = cfg.model
+            loss = pretrain(policy, task, m.pretrain_steps, m.pretrain_lr, m.pretrain_batch_size,
+                            cfg.seed)  # fmt: skip
+            log.info("pretrained the tiny model: loss %.3f", loss)
+        for t in list(policy.model.parameters()) + list(policy.model.buffers()):
+            dist.broadcast(t.data, src=0)
+        model = policy.model.to(self.device)
+        reference = load_policy(cfg.model.model_copy(update={"device": "cpu"}), cfg.seed).model
+        reference.load_state_dict(model.state_dict())
+        reference.to(self.device).eval().requires_grad_(False)
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        self.model = _shard(model, mesh)
+        self.reference_model = _shard(reference, mesh)
+        self.learner = Learner(
+            self.model,
+            cfg.learner,
+            cfg.algo,
+            policy.pad_id,
+            policy.eos_id,
+            self.device,
+            reference_model=self.reference_model,
+            reduce=_reduce if self.world > 1 else None,
+        )
+        self.writer = JsonlWriter(self.run_dir / "learner.jsonl") if self.rank == 0 else None
+        if resume:
+            self.load_checkpoint()
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(self.model),
+            "reference": get_model_state_dict(self.reference_model),
+            "optim": get_optimizer_state_dict(self.model, self.learner.optimizer),
+        }
+
+    def save_checkpoint(self) -> Path:
+        path = self.ckpt_dir / f"step-{self.state.step:08d}"
+        dcp.save(self._state_dict(), checkpoint_id=str(path))
+        if self.rank == 0:
+            meta = {
+                "step": self.state.step,
+                "updates": self.state.updates,
+                "ref_version": self.learner.reference.version,
+                "ref_resets": self.state.ref_resets,
+                "skipped_steps": self.learner.skipped_steps,
+                "rng": random.getstate()[1][:4],
+                "time": time.time(),
+            }
+            (path / "reval_state.json").write_text(json.dumps(meta))
+            (self.ckpt_dir / "latest").write_text(path.name)
+        dist.barrier()
+        log.info("checkpoint %s", path)
+        return path
+
+    def load_checkpoint(self) -> None:
+        latest = self.ckpt_dir / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}")
+        path = self.ckpt_dir / latest.read_text().strip()
+        sd = self._state_dict()
+        dcp.load(sd, checkpoint_id=str(path))
+        set_model_state_dict(self.model, sd["model"])
+        set_model_state_dict(self.reference_model, sd["reference"])
+        set_optimizer_state_dict(self.model, self.learner.optimizer, sd["optim"])
+        meta = json.loads((path / "reval_state.json").read_text())
+        self.state.step = self.learner.step = int(meta["step"])
+        self.state.updates = int(meta["updates"])
+        self.state.ref_resets = int(meta["ref_resets"])
+        self.learner.reference.version = int(meta["ref_version"])
+        self.learner.skipped_steps = int(meta["skipped_steps"])
+        log.info("resumed from %s at step %d", path, self.state.step)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full weights on rank 0 (every rank must call this; others get {})."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = get_model_state_dict(self.model, options=opts)
+        return sd if self.rank == 0 else {}
+
+    def export_hf(self, path: Path) -> Path | None:
+        """A consolidated Hugging Face checkpoint (safetensors + config + tokenizer)."""
+        sd = self.full_state()
+        if self.rank != 0:
+            dist.barrier()
+            return None
+        model = load_policy(self.cfg.model.model_copy(update={"device": "cpu"}), 0).model
+        model.load_state_dict(sd)
+        path.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        dist.barrier()
+        return path
+
+    def publish(self) -> None:
+        t0 = time.perf_counter()
+        sd = self.full_state()
+        if self.rank == 0:
+            self.weights.publish(sd.items(), self.state.step)
+            self.ring.set_policy_version(self.state.step)
+        self.metrics.sync_s.inc(time.perf_counter() - t0)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _next_batch(self, prefetch: Prefetcher | None) -> tuple[list[Any], float]:
+        """Rank 0 samples; every rank gets its share (and the importance weights)."""
+        payload: list[Any] = [None]
+        wait = 0.0
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            # Wait in short turns: the other ranks wait in a collective meanwhile, whose
+            # timeout (sync.timeout_s) must not run out while the buffer is empty.
+            poll = min(self.cfg.buffer.sample_timeout_s, self.cfg.sync.timeout_s / 4)
+            try:
+                if prefetch is not None:
+                    batch = prefetch.get(timeout=poll)
+                else:
+                    batch = self.ring.sample(self.cfg.batch_size, timeout=poll)
+                weights = dict(zip(batch.traj_ids, batch.weights.tolist(), strict=True))
+                shares = split_shares(batch.trajectories, self.world)
+                payload = [
+                    [(share, [weights[t.traj_id] for t in share]) for share in shares],
+                    float(np.mean(batch.staleness)) if len(batch) else 0.0,
+                ]
+                self.last_staleness = payload[1]
+            except SampleTimeout as err:
+                payload = [None, str(err)]
+            wait = time.perf_counter() - t0
+        else:
+            payload = [None, None]
+        dist.broadcast_object_list(payload, src=0)
+        if payload[0] is None:
+            return [], -1.0
+        share, weights = payload[0][self.rank]
+        self.metrics.staleness.set(payload[1])
+        self.last_staleness = payload[1]
+        return [share, weights], wait
+
+    def run(self) -> LearnerState:
+        cfg = self.cfg
+        total = cfg.learner.max_steps or cfg.learner.rounds * cfg.learner.updates_per_round
+        reset_every = cfg.learner.ref_reset_steps * cfg.learner.updates_per_round
+        if self.rank == 0:
+            dump_config(cfg, self.run_dir / "config.json")
+        self.publish()  # the workers wait for these before they generate
+        prefetch = None
+        if self.rank == 0 and cfg.learner.sample_prefetch:
+            prefetch = Prefetcher(
+                self.ring, cfg.batch_size, depth=cfg.learner.sample_prefetch, workers=1
+            )
+        t_start = time.perf_counter()
+        waited_since = 0.0
+        try:
+            while self.state.updates < total:
+                stop = torch.tensor([1.0 if self.stop.is_set() else 0.0])
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+                if stop.item():
+                    log.info("stopping: checkpoint at step %d", self.state.step)
+                    break
+                got, wait = self._next_batch(prefetch)
+                self.metrics.wait_data.inc(max(wait, 0.0))
+                if not got:
+                    waited_since = waited_since or time.monotonic()
+                    if time.monotonic() - waited_since > cfg.buffer.sample_timeout_s:
+                        log.warning(
+                            "no batch for %.0f s (no workers, or the limiter): waiting on",
+                            time.monotonic() - waited_since,
+                        )
+                        waited_since = time.monotonic()
+                    continue
+                waited_since = 0.0
+                share, weights = got
+                t0 = time.perf_counter()
+                use_w = weights if cfg.buffer.prioritized else None
+                out = self.learner.update(share, use_w)
+                self.ring.write_back(share)
+                if cfg.buffer.prioritized:
+                    self.ring.update_priorities(
+                        [t.traj_id for t in share], out.delta.abs().tolist()
+                    )
+                self.state.updates += 1
+                self.state.step = self.learner.step
+                upd_s = time.perf_counter() - t0
+                self.metrics.update_s.inc(upd_s)
+                if reset_every and self.state.updates % reset_every == 0:
+                    self.learner.reset_reference()
+                    self.state.ref_resets += 1
+                if self.state.updates % cfg.sync.every == 0:
+                    self.publish()
+                if cfg.learner.checkpoint_every and (
+                    self.state.updates % cfg.learner.checkpoint_every == 0
+                ):
+                    self.save_checkpoint()
+                self._log(out.metrics, share, wait, upd_s, time.perf_counter() - t_start)
+        finally:
+            if prefetch is not None:
+                prefetch.close()
+        self.save_checkpoint()
+        if self.state.updates >= total:
+            self.export_hf(self.run_dir / "final")
+        return self.state
+
+    def _log(
+        self,
+        metrics: dict[str, float],
+        share: list[Trajectory],
+        wait: float,
+        upd_s: float,
+        elapsed: float,
+    ) -> None:
+        loss = _reduce(metrics["loss"], "sum") / self.world if self.world > 1 else metrics["loss"]
+        reward = float(np.mean([t.reward_raw for t in share])) if share else 0.0
+        if self.world > 1:
+            reward = _reduce(reward, "sum") / self.world
+        if self.rank != 0:
+            return
+        m = self.metrics
+        m.loss.set(loss)
+        m.grad_norm.set(metrics["grad_norm"])
+        m.updates.inc(0 if metrics["skipped"] else 1)
+        m.skipped.inc(1 if metrics["skipped"] else 0)
+        m.version.set(self.state.step)
+        m.reward.set(reward)
+        alive = sum(1 for _ in self.client.scan_iter(match=self._workers_glob(), count=100))
+        m.workers.set(alive)
+        record = {
+            "update": self.state.updates,
+            "policy_version": self.state.step,
+            "loss": loss,
+            "grad_norm": metrics["grad_norm"],
+            "batch_reward_mean": reward,
+            "staleness_mean": self.last_staleness,
+            "ref_version": self.learner.reference.version,
+            "wait_data_s": wait,
+            "update_s": upd_s,
+            "elapsed_s": elapsed,
+            "workers": alive,
+        }
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def _workers_glob(self) -> str:
+        prefix = self.cfg.buffer.key_prefix
+        return f"{prefix}{{{self.cfg.name}}}:workers:*"
+
+
+def _rank_main(rank: int, world: int, port: int, cfg_json: str, resume: bool, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    cfg = RunConfig.model_validate_json(cfg_json)
+    run_rank(cfg, resume, out)
+
+
+def run_rank(cfg: RunConfig, resume: bool, out: str | None) -> LearnerState:
+    """One rank: join the process group, run, leave."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ["WORLD_SIZE"]))))
+    backend = "nccl" if torch.cuda.is_available() and cfg.model.device != "cpu" else "gloo"
+    if cfg.sync.backend != "auto":
+        backend = cfg.sync.backend
+    dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.sync.timeout_s))
+    try:
+        service = LearnerService(cfg, resume)
+
+        def on_signal(signum: int, _frame: object) -> None:
+            log.info("rank %d: signal %d: checkpoint and stop", service.rank, signum)
+            service.stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        if service.rank == 0 and cfg.metrics.prometheus_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(cfg.metrics.prometheus_port, registry=service.metrics.registry)
+        state = service.run()
+        if service.rank == 0 and out:
+            Path(out).write_text(json.dumps(state.__dict__))
+        return state
+    finally:
+        dist.destroy_process_group()
+
+
+def main(cfg: RunConfig, resume: bool = False, nproc: int | None = None) -> int:
+    """Under torchrun (RANK set): this process is one rank. Otherwise spawn ``nproc`` ranks
+    (default ``learner.world_size``) on this machine."""
+    if cfg.buffer.backend != "redis":
+        raise ValueError("the learner service needs buffer.backend=redis (the replay service)")
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    if "RANK" in os.environ:
+        state = run_rank(cfg, resume, None)
+        print(json.dumps(state.__dict__), flush=True)
+        return 0
+    world = nproc or cfg.learner.world_size
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(cfg.run_dir / "learner_state.json")
+    # Children ignore SIGINT/SIGTERM until they install their handlers; the parent forwards.
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, cfg.model_dump_json(), resume, out))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for p in procs:
+        p.join()
+    codes = [p.exitcode for p in procs]
+    if any(codes):
+        log.error("learner ranks exited with %s", codes)
+        return 1
+    print(Path(out).read_text(), flush=True)
+    return 0
