@@ -45,6 +45,12 @@ class ReferencePolicy:
     def reset(self, policy: nn.Module) -> None:
         """Copy the policy's current weights into the reference; invalidates every cache.
         (Shard to shard under FSDP: both are sharded the same way.)"""
+        for m in (self.model, policy):
+            # An FSDP2 root keeps its parameters gathered after a forward that no backward
+            # followed (the reference's case): put them back into shards first.
+            reshard = getattr(m, "reshard", None)
+            if callable(reshard):
+                reshard()
         for dst, src in zip(self.model.parameters(), policy.parameters(), strict=True):
             dst.copy_(src)
         for dst, src in zip(self.model.buffers(), policy.buffers(), strict=True):

@@ -89,12 +89,13 @@ class LearnerMetrics:
         self.workers = Gauge(f"{p}workers_alive", "Rollout workers registered", registry=r)
 
 
-def _shard(model: nn.Module, mesh: Any) -> nn.Module:
+def _shard(model: nn.Module, mesh: Any, reshard_root: bool = False) -> nn.Module:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is not None:
         for layer in layers:
             fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # The frozen reference only runs forward: free its root's gathered weights after each.
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if reshard_root else None)
     return model
 
 
@@ -176,7 +177,7 @@ class LearnerService:
         reference.to(self.device).eval().requires_grad_(False)
         mesh = init_device_mesh(self.device.type, (self.world,))
         self.model = _shard(model, mesh)
-        self.reference_model = _shard(reference, mesh)
+        self.reference_model = _shard(reference, mesh, reshard_root=True)
         self.learner = Learner(
             self.model,
             cfg.learner,

@@ -148,6 +148,7 @@ class RolloutWorker:
         self.weights = WeightStore(self.client, b.key_prefix, cfg.name, weights_dir)
         self.key = worker_key(b.key_prefix, cfg.name, self.worker_id)
         self._heartbeat: threading.Thread | None = None
+        self._loaded: tuple[int, float] | None = None
         self.params = SamplingParams(
             n=cfg.rollout.n,
             temperature=cfg.rollout.temperature,
@@ -194,7 +195,9 @@ class RolloutWorker:
             ann = self.weights.latest()
         except (redis.ConnectionError, redis.TimeoutError):
             return False
-        if ann is None or (not force and ann.version <= self.engine.policy_version):
+        # A different announcement, not only a newer one: a learner resumed from an earlier
+        # checkpoint announces a lower version, and the weights it trains on are those.
+        if ann is None or (not force and (ann.version, ann.time) == self._loaded):
             return False
         try:
             tensors = self.weights.load(ann)
@@ -202,6 +205,7 @@ class RolloutWorker:
             log.warning("weights v%d were pruned before this worker read them", ann.version)
             return False
         self.engine.load_weights(tensors, ann.version)
+        self._loaded = (ann.version, ann.time)
         self.stats.weight_loads += 1
         self.metrics.weight_loads.inc()
         self.metrics.version.set(ann.version)
