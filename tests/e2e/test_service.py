@@ -139,8 +139,8 @@ def test_service_end_to_end(tmp_path, redis_url, redis_prefix):
 
 @pytest.mark.slow
 def test_service_learns(tmp_path, redis_url, redis_prefix):
-    """Long enough for the reward to rise (about 5 minutes on 2 cores)."""
-    sets = common(tmp_path, redis_url, redis_prefix, "learner.max_steps=400")
+    """Long enough for the reward to rise (1200 updates of 64: about 5 minutes on 2 cores)."""
+    sets = common(tmp_path, redis_url, redis_prefix, "learner.max_steps=1200")
     learner = start("learner", sets, "--nproc", "2")
     workers = [start("rollout", sets, "--worker-id", f"w{k}") for k in range(2)]
     try:
@@ -152,6 +152,6 @@ def test_service_learns(tmp_path, redis_url, redis_prefix):
         for p in workers:
             p.wait(60)
     rows = read_jsonl(tmp_path / "e2e" / "learner.jsonl")
-    first = sum(r["batch_reward_mean"] for r in rows[:50]) / 50
-    last = sum(r["batch_reward_mean"] for r in rows[-50:]) / 50
-    assert last > first + 0.05, (first, last)
+    first = sum(r["batch_reward_mean"] for r in rows[:100]) / 100
+    last = sum(r["batch_reward_mean"] for r in rows[-100:]) / 100
+    assert last > first + 0.1, (first, last)
