@@ -189,6 +189,17 @@ class LearnerService:
             reduce=_reduce if self.world > 1 else None,
         )
         self.writer = JsonlWriter(self.run_dir / "learner.jsonl") if self.rank == 0 else None
+        self.hub: Any = None
+        if self.rank == 0 and cfg.sync.broadcast:
+            from reval.broadcast import BroadcastHub
+
+            self.hub = BroadcastHub(
+                cfg.sync.broadcast_port,
+                timeout_s=cfg.sync.timeout_s,
+                bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
+            )
+            log.info("broadcast hub on port %d", self.hub.port)
+        self.broadcast_to = 0
         if resume:
             self.load_checkpoint()
 
@@ -262,7 +273,12 @@ class LearnerService:
         t0 = time.perf_counter()
         sd = self.full_state()
         if self.rank == 0:
-            self.weights.publish(sd.items(), self.state.step)
+            where = None
+            if self.hub is not None:
+                where = f"{self.cfg.sync.broadcast_host}:{self.hub.port}"
+            self.weights.publish(sd.items(), self.state.step, broadcast=where)
+            if self.hub is not None:
+                self.broadcast_to = self.hub.sync(sd.items(), self.state.step)
             self.ring.set_policy_version(self.state.step)
         self.metrics.sync_s.inc(time.perf_counter() - t0)
 
@@ -401,6 +417,7 @@ class LearnerService:
             "update_s": upd_s,
             "elapsed_s": elapsed,
             "workers": alive,
+            "broadcast_to": self.broadcast_to,
         }
         if self.writer is not None:
             self.writer.write(record)
@@ -424,7 +441,10 @@ def run_rank(cfg: RunConfig, resume: bool, out: str | None) -> LearnerState:
     backend = "nccl" if torch.cuda.is_available() and cfg.model.device != "cpu" else "gloo"
     if cfg.sync.backend != "auto":
         backend = cfg.sync.backend
-    dist.init_process_group(backend, timeout=dt.timedelta(seconds=cfg.sync.timeout_s))
+    # Rank 0 may spend up to ~4 sync timeouts in the broadcast hub (a dead worker: the failed
+    # collective, then two timeouts of acknowledgements, then the new group) while the other
+    # ranks wait in the next collective.
+    dist.init_process_group(backend, timeout=dt.timedelta(seconds=4 * cfg.sync.timeout_s + 60))
     try:
         service = LearnerService(cfg, resume)
 

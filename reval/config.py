@@ -247,6 +247,14 @@ class SyncConfig(_Section):
     """Timeout of every collective; a dead worker never blocks the learner longer than this."""
     weights_dir: str | None = None
     """Shared directory of the file transport of weights (default: ``{run_dir}/weights``)."""
+    broadcast: bool = False
+    """Also broadcast every version over torch.distributed (gloo; packed buckets) to the workers
+    that joined the learner's hub: faster than the shared directory, which stays the fallback
+    and what newcomers read first."""
+    broadcast_host: str = "127.0.0.1"
+    """Address the workers reach the learner's hub at (the learner listens on all interfaces)."""
+    broadcast_port: int = Field(0, ge=0, le=65535)
+    """Port of the hub (0: any free port; it is announced in Redis)."""
 
 
 class MetricsConfig(_Section):

@@ -32,6 +32,8 @@ class Announcement:
     version: int
     path: Path
     time: float
+    broadcast: str | None = None
+    """``host:port`` of the learner's broadcast hub when it broadcasts (``reval/broadcast.py``)."""
 
 
 def weights_key(prefix: str, run: str) -> str:
@@ -67,19 +69,24 @@ class WeightStore:
                 time.sleep(delay)
                 delay = min(2 * delay, 2.0)
 
-    def publish(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> Path:
-        """Write and announce ``version`` (the learner's side)."""
+    def publish(
+        self,
+        named_tensors: Iterable[tuple[str, Tensor]],
+        version: int,
+        broadcast: str | None = None,
+    ) -> Path:
+        """Write and announce ``version`` (the learner's side); ``broadcast``: where workers
+        join the learner's broadcast hub."""
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"v{version:08d}.safetensors"
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
         save_file(tensors, str(tmp), metadata={"version": str(version)})
         os.replace(tmp, path)
-        self._retry(
-            lambda: self.client.hset(
-                self.key, mapping={"version": version, "path": str(path), "time": time.time()}
-            )
-        )
+        mapping: dict[str, Any] = {"version": version, "path": str(path), "time": time.time()}
+        if broadcast:
+            mapping["broadcast"] = broadcast
+        self._retry(lambda: self.client.hset(self.key, mapping=mapping))
         for old in sorted(self.dir.glob("v*.safetensors"))[: -self.keep]:
             old.unlink(missing_ok=True)
         return path
@@ -93,6 +100,7 @@ class WeightStore:
             version=int(raw[b"version"]),
             path=Path(raw[b"path"].decode()),
             time=float(raw.get(b"time", 0.0)),
+            broadcast=raw[b"broadcast"].decode() if b"broadcast" in raw else None,
         )
 
     @staticmethod

@@ -149,6 +149,8 @@ class RolloutWorker:
         self.key = worker_key(b.key_prefix, cfg.name, self.worker_id)
         self._heartbeat: threading.Thread | None = None
         self._loaded: tuple[int, float] | None = None
+        self.receiver: Any = None
+        self.receiver_addr: str | None = None
         self.params = SamplingParams(
             n=cfg.rollout.n,
             temperature=cfg.rollout.temperature,
@@ -189,12 +191,42 @@ class RolloutWorker:
 
     # -- weights --------------------------------------------------------------------------------
 
+    def _from_broadcast(self) -> bool:
+        """Load the newest version the broadcast receiver holds (True if it loaded)."""
+        if self.receiver is None:
+            return False
+        got = self.receiver.take()
+        if got is None:
+            return False
+        version, tensors = got
+        self.engine.load_weights(tensors, version)
+        self._loaded = (version, -1.0)
+        self.stats.weight_loads += 1
+        self.metrics.weight_loads.inc()
+        self.metrics.version.set(version)
+        return True
+
     def _load(self, force: bool = False) -> bool:
         """Load newer announced weights; True if it loaded."""
+        if not force and self._from_broadcast():
+            return True
         try:
             ann = self.weights.latest()
         except (redis.ConnectionError, redis.TimeoutError):
             return False
+        if ann is not None and ann.broadcast and ann.broadcast != self.receiver_addr:
+            # A (new) learner broadcasts: join its hub (a resumed learner has a new one).
+            from reval.broadcast import BroadcastReceiver
+
+            if self.receiver is not None:
+                self.receiver.close()
+            host, port = ann.broadcast.rsplit(":", 1)
+            self.receiver = BroadcastReceiver(
+                host, int(port), self.worker_id, timeout_s=self.cfg.sync.timeout_s
+            )
+            self.receiver_addr = ann.broadcast
+        if ann is not None and self._loaded is not None and ann.version == self._loaded[0]:
+            return False  # the broadcast already brought this version
         # A different announcement, not only a newer one: a learner resumed from an earlier
         # checkpoint announces a lower version, and the weights it trains on are those.
         if ann is None or (not force and (ann.version, ann.time) == self._loaded):
@@ -293,6 +325,8 @@ class RolloutWorker:
             n = self.ring.spooled
             log.error("worker %s: %d trajectories could not be pushed", self.worker_id, n)
         self._deregister()
+        if self.receiver is not None:
+            self.receiver.close()
         if self.verifier_pool is not None:
             self.verifier_pool.close()
 

@@ -46,7 +46,7 @@ def common(tmp_path: Path, url: str, prefix: str, *extra: str) -> list[str]:
         "rollout.heartbeat_s=1",
         "rollout.weights_poll_s=0.2",
         "model.pretrain_steps=100",
-        "sync.timeout_s=120",
+        "sync.timeout_s=10",
         "metrics.progress=false",
         *extra,
     ]
@@ -57,15 +57,23 @@ def start(role: str, sets: list[str], *args: str) -> subprocess.Popen[str]:
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Logs go to a file: a pipe nobody reads fills up and blocks the process.
+    log_dir = Path(next(s.split("=", 1)[1] for s in sets if s.startswith("output_dir=")))
+    name = "-".join([role, *[a for a in args if not a.startswith("-")]])
+    log_file = (log_dir / f"{name}-{time.monotonic_ns()}.log").open("w")
     return subprocess.Popen(
         [*cmd, *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log_file,
         text=True,
         env=env,
         start_new_session=True,  # SIGKILL of the group takes the learner's ranks too
     )
+
+
+def logs(tmp_path: Path, role: str) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob(f"{role}*.log")))
 
 
 def version(store: WeightStore) -> int:
@@ -78,13 +86,16 @@ def wait_until(cond, timeout: float, procs=()) -> None:
     while not cond():
         for p in procs:
             if p.poll() is not None:
-                raise AssertionError(f"process exited early: {p.returncode}\n{p.stderr.read()}")
+                raise AssertionError(f"process exited early: {p.returncode}")
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
 
 
-def test_service_end_to_end(tmp_path, redis_url, redis_prefix):
-    sets = common(tmp_path, redis_url, redis_prefix, "learner.max_steps=60")
+@pytest.mark.parametrize("broadcast", [False, True], ids=["files", "broadcast"])
+def test_service_end_to_end(tmp_path, redis_url, redis_prefix, broadcast):
+    sets = common(
+        tmp_path, redis_url, redis_prefix, "learner.max_steps=60", f"sync.broadcast={broadcast}"
+    )
     learner = start("learner", [*sets, "learner.checkpoint_every=10"], "--nproc", "2")
     workers = {k: start("rollout", sets, "--worker-id", k) for k in ("w0", "w1")}
     client = redis.Redis.from_url(redis_url)
@@ -107,8 +118,8 @@ def test_service_end_to_end(tmp_path, redis_url, redis_prefix):
         resumed_from = int(ckpt.split("-")[1])
         assert 10 <= resumed_from <= killed_at
         learner = start("learner", sets, "--nproc", "2", "--resume")
-        out, err = learner.communicate(timeout=300)
-        assert learner.returncode == 0, err
+        out, _ = learner.communicate(timeout=300)
+        assert learner.returncode == 0, logs(tmp_path, "learner")
         state = json.loads(out.strip().splitlines()[-1])
         assert state["updates"] == 60 and state["step"] <= 60
     finally:
@@ -133,19 +144,34 @@ def test_service_end_to_end(tmp_path, redis_url, redis_prefix):
     assert any(r["staleness_mean"] > 0 for r in rows)  # off-policy: staleness reported
     assert max(r["workers"] for r in rows) >= 2
     assert all(t.policy_version <= 60 for t in ring.items())
+    if broadcast:  # updates reached the workers over the broadcast, not only through files
+        assert max(r["broadcast_to"] for r in rows) >= 2
     final = tmp_path / "e2e" / "final"
     assert (final / "config.json").is_file() and any(final.glob("*.safetensors"))
 
 
 @pytest.mark.slow
 def test_service_learns(tmp_path, redis_url, redis_prefix):
-    """Long enough for the reward to rise (1200 updates of 64: about 5 minutes on 2 cores)."""
-    sets = common(tmp_path, redis_url, redis_prefix, "learner.max_steps=1200")
+    """The shortened demo's amount of learning (600 updates of 256, K=4 through the limiter,
+    the demo's reference reset) through the service: the reward rises."""
+    sets = common(
+        tmp_path,
+        redis_url,
+        redis_prefix,
+        "learner.max_steps=600",
+        "learner.batch_size=256",
+        "learner.micro_batch_size=128",
+        "learner.ref_reset_steps=200",
+        "buffer.samples_per_insert=4",
+        "buffer.min_size_to_sample=512",
+        "model.pretrain_steps=300",
+        "rollout.worker_prompts=16",
+    )
     learner = start("learner", sets, "--nproc", "2")
     workers = [start("rollout", sets, "--worker-id", f"w{k}") for k in range(2)]
     try:
-        _out, err = learner.communicate(timeout=1800)
-        assert learner.returncode == 0, err
+        learner.communicate(timeout=1800)
+        assert learner.returncode == 0, logs(tmp_path, "learner")
     finally:
         for p in workers:
             p.send_signal(signal.SIGTERM)
@@ -154,4 +180,4 @@ def test_service_learns(tmp_path, redis_url, redis_prefix):
     rows = read_jsonl(tmp_path / "e2e" / "learner.jsonl")
     first = sum(r["batch_reward_mean"] for r in rows[:100]) / 100
     last = sum(r["batch_reward_mean"] for r in rows[-100:]) / 100
-    assert last > first + 0.1, (first, last)
+    assert last > first + 0.05, (first, last)

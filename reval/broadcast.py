@@ -1,0 +1,242 @@
+"""Weights from the learner to an elastic fleet over torch.distributed (gloo on CPU; the same
+protocol drives NCCL groups on GPU), in packed buckets (``reval/weights.py``).
+
+A fixed world cannot take newcomers, so membership is managed outside it (DESIGN.md's field
+notes): the learner hosts a ``TCPStore`` (``wait_for_workers=False``); a worker connects as a
+client at any time and takes a ticket. When the set of members changes, the learner proposes a
+new generation ``g`` (the tickets it wants), waits up to two timeouts for each to acknowledge,
+commits the members that did, and everyone builds a small process group over a ``PrefixStore``
+for that generation (learner rank 0, members 1..n). A sync writes the version and the bucket
+headers into the store and broadcasts each bucket's bytes: one collective per bucket, never one
+per tensor. A member that dies or stalls makes a collective time out after ``timeout``; the
+learner then drops the generation, and the next sync proposes a new one without the members that
+do not acknowledge. The learner never waits longer than ``timeout`` for anyone.
+
+Workers receive on a background thread (``BroadcastReceiver``) into CPU memory while they
+generate; their main loop takes the newest complete version between batches. A newcomer gets the
+weights of the next sync after it joined (and the file announcement meanwhile).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from reval.weights import Bucket, pack_buckets, unpack_bucket
+
+log = logging.getLogger("reval.broadcast")
+
+
+def _td(seconds: float) -> dt.timedelta:
+    return dt.timedelta(seconds=seconds)
+
+
+def _broadcast(pg: Any, tensor: Tensor) -> None:
+    pg.broadcast(tensor, 0).wait()
+
+
+class BroadcastHub:
+    """The learner's side (rank 0 only)."""
+
+    def __init__(
+        self,
+        port: int,
+        host: str = "0.0.0.0",
+        timeout_s: float = 60.0,
+        bucket_bytes: int = 64 << 20,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.store = TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s)
+        )
+        self.port = self.store.port
+        self.generation = 0
+        self.members: list[int] = []  # tickets, in rank order (rank = index + 1)
+        self.dropped: set[int] = set()
+        self.pg: Any = None
+        self.seq = 0
+        self.syncs = 0
+        self.failures = 0
+
+    def _tickets(self) -> list[int]:
+        n = int(self.store.add("tickets", 0))
+        return [t for t in range(1, n + 1) if t not in self.dropped]
+
+    def _form(self, wanted: list[int]) -> None:
+        """Propose generation g to ``wanted``; commit those who acknowledge in time."""
+        self.generation += 1
+        g = self.generation
+        self.pg = None
+        self.store.set(f"propose/{g}", json.dumps(wanted))
+        self.store.set("generation", str(g))
+        # Two timeouts: a live member may still be stuck for one timeout in the collective that
+        # just failed (on a dead peer) before it can see this proposal.
+        deadline = time.monotonic() + 2 * self.timeout_s
+        acked: list[int] = []
+        pending = set(wanted)
+        while pending and time.monotonic() < deadline:
+            for t in list(pending):
+                if self.store.check([f"ack/{g}/{t}"]):
+                    pending.discard(t)
+                    acked.append(t)
+            if pending:
+                time.sleep(0.01)
+        self.dropped |= pending
+        if pending:
+            log.warning("generation %d: dropped members %s (no acknowledgement)", g, pending)
+        members = sorted(acked)
+        self.seq = 0  # syncs within this generation
+        self.store.set(f"commit/{g}", json.dumps(members))
+        self.members = members
+        if members:
+            try:
+                self.pg = ProcessGroupGloo(
+                    PrefixStore(f"gen{g}", self.store), 0, len(members) + 1, _td(self.timeout_s)
+                )
+            except RuntimeError as err:  # a member acknowledged, then vanished
+                log.warning("generation %d: the group did not form (%s)", g, err)
+                self.pg, self.members = None, []
+
+    def sync(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> int:
+        """Send ``version`` to every member; returns how many received it (0 if none or on a
+        failure, after at most ``timeout`` of waiting)."""
+        wanted = self._tickets()
+        if wanted != self.members or self.pg is None:
+            if not wanted:
+                self.members, self.pg = [], None
+                return 0
+            self._form(wanted)
+            if self.pg is None:
+                return 0
+        buckets: list[Bucket] = list(pack_buckets(named_tensors, self.bucket_bytes, version))
+        g, seq = self.generation, self.seq + 1
+        headers = [b.header() for b in buckets]
+        self.store.set(f"sync/{g}/{seq}", json.dumps([version, [h.hex() for h in headers]]))
+        try:
+            for b in buckets:
+                _broadcast(self.pg, b.data)
+        except RuntimeError as err:  # a member died or stalled: gloo timed out
+            self.failures += 1
+            log.warning("sync of v%d failed (%s); the next sync re-forms the group", version, err)
+            self.pg = None
+            self.members = []
+            return 0
+        self.seq = seq
+        self.syncs += 1
+        self.store.set(f"done/{g}", str(seq))
+        return len(self.members)
+
+    def close(self) -> None:
+        self.pg = None
+
+
+class BroadcastReceiver:
+    """A worker's side: joins the learner's hub and receives versions on a thread."""
+
+    def __init__(self, host: str, port: int, worker_id: str, timeout_s: float = 60.0) -> None:
+        self.host, self.port, self.worker_id = host, port, worker_id
+        self.timeout_s = timeout_s
+        self._latest: tuple[int, list[tuple[str, Tensor]]] | None = None
+        self._lock = threading.Lock()
+        self.stop = threading.Event()
+        self.received = 0
+        self.ticket: int | None = None
+        self._thread = threading.Thread(target=self._run, name="weights-receiver", daemon=True)
+        self._thread.start()
+
+    def take(self) -> tuple[int, list[tuple[str, Tensor]]] | None:
+        """The newest complete version received since the last take (or None)."""
+        with self._lock:
+            out, self._latest = self._latest, None
+        return out
+
+    def close(self) -> None:
+        self.stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self._session()
+            except Exception as err:  # the learner went away or the group broke: rejoin
+                if self.stop.is_set():
+                    return
+                log.info("weights receiver: %s; rejoining", err)
+                self.stop.wait(0.5)
+
+    def _session(self) -> None:
+        store = TCPStore(self.host, self.port, is_master=False, timeout=_td(self.timeout_s))
+        self.ticket = ticket = int(store.add("tickets", 1))
+        store.set(f"ticket/{ticket}", self.worker_id)
+        seen = 0
+        while not self.stop.is_set():
+            g = int(store.get("generation")) if store.check(["generation"]) else 0
+            if g <= seen:
+                time.sleep(0.02)
+                continue
+            seen = g
+            wanted = json.loads(store.get(f"propose/{g}"))
+            if ticket not in wanted:
+                continue  # dropped: a stalled member gets a new ticket by rejoining
+            store.set(f"ack/{g}/{ticket}", "1")
+            # The learner waits up to two timeouts for the others' acknowledgements.
+            members = json.loads(_wait_get(store, f"commit/{g}", 3 * self.timeout_s, self.stop))
+            if ticket not in members:
+                raise RuntimeError(f"not committed to generation {g}")
+            rank = members.index(ticket) + 1
+            pg = ProcessGroupGloo(
+                PrefixStore(f"gen{g}", store), rank, len(members) + 1, _td(self.timeout_s)
+            )
+            self._receive(store, pg, g)
+
+    def _receive(self, store: TCPStore, pg: Any, g: int) -> None:
+        """Receive syncs of generation g until a newer generation is proposed."""
+        seq = int(store.get(f"done/{g}")) + 1 if store.check([f"done/{g}"]) else 1
+        while not self.stop.is_set():
+            key = f"sync/{g}/{seq}"
+            if not store.check([key]):
+                if int(store.get("generation")) != g:
+                    return  # membership changed: join the new generation
+                time.sleep(0.005)
+                continue
+            version, hex_headers = json.loads(store.get(key))
+            tensors: list[tuple[str, Tensor]] = []
+            try:
+                for h in hex_headers:
+                    v, nbytes, metas = Bucket.metas_from_header(bytes.fromhex(h))
+                    bucket = Bucket(metas, torch.empty(nbytes, dtype=torch.uint8), v)
+                    _broadcast(pg, bucket.data)
+                    tensors.extend((n, t.clone()) for n, t in unpack_bucket(bucket))
+            except RuntimeError as err:  # another member died mid-sync: wait for a new group
+                log.info("weights receiver: sync of v%s failed (%s)", version, err)
+                return
+            with self._lock:
+                self._latest = (int(version), tensors)
+            self.received += 1
+            seq += 1
+
+
+def _wait_get(store: TCPStore, key: str, timeout_s: float, stop: threading.Event) -> bytes:
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if stop.is_set() or time.monotonic() > deadline:
+            raise TimeoutError(f"no {key} within {timeout_s}s")
+        time.sleep(0.01)
+    out: bytes = store.get(key)
+    return out
+
+
+def tensors_equal(a: Iterable[tuple[str, Tensor]], b: Iterable[tuple[str, Tensor]]) -> bool:
+    da, db = dict(a), dict(b)
+    return da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da)
