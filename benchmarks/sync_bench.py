@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from reval.weights import Bucket, pack_buckets, unpack_bucket
+from reval.broadcast import IN_FLIGHT
+from reval.weights import Bucket, pack_buckets, plan_buckets, unpack_bucket
 
 
 def model_like(total_mb: int) -> list[tuple[str, torch.Tensor]]:
@@ -58,7 +59,17 @@ def _rank(rank: int, port: int, sizes: list[int], bucket_mb: float, reps: int, q
             tensors = [(n, torch.empty(s)) for n, s in shapes]
         nbytes = sum(t.numel() * 4 for _, t in tensors)
         flat = torch.empty(nbytes, dtype=torch.uint8)
-        times: dict[str, list[float]] = {"flat": [], "bucketed": [], "memcpy": []}
+        times: dict[str, list[float]] = {"flat": [], "bucketed": [], "memcpy": [], "sent": []}
+        # The buckets alone (packed beforehand): what bucketing costs the transport.
+        if rank == 0:
+            ready = [b.data for b in pack_buckets(tensors, int(bucket_mb * (1 << 20)), 1)]
+            sizes_ = [int(d.numel()) for d in ready]
+        else:
+            sizes_ = None
+        box = [sizes_]
+        dist.broadcast_object_list(box, src=0)
+        if rank != 0:
+            ready = [torch.empty(n, dtype=torch.uint8) for n in box[0]]
         for _ in range(reps):
             dist.barrier()
             t0 = time.perf_counter()
@@ -66,24 +77,38 @@ def _rank(rank: int, port: int, sizes: list[int], bucket_mb: float, reps: int, q
             times["flat"].append(time.perf_counter() - t0)
             dist.barrier()
             t0 = time.perf_counter()
+            # What BroadcastHub.sync / BroadcastReceiver do: headers first, then the buckets,
+            # packing the next one while the previous one is sent (IN_FLIGHT bound).
             if rank == 0:
-                buckets = list(pack_buckets(tensors, int(bucket_mb * (1 << 20)), version=1))
-                headers = [b.header() for b in buckets]
-            else:
-                headers = None
-            hdr = [headers]
+                plan = plan_buckets(tensors, int(bucket_mb * (1 << 20)), version=1)
+                headers = [b.header() for b in plan]
+            hdr = [headers if rank == 0 else None]
             dist.broadcast_object_list(hdr, src=0)
-            for i, h in enumerate(hdr[0]):
-                if rank == 0:
-                    data = buckets[i].data
-                else:
+            if rank == 0:
+                in_flight = []
+                for planned in plan:
+                    data = planned.pack().data
+                    in_flight.append((data, dist.broadcast(data, src=0, async_op=True)))
+                    if len(in_flight) > IN_FLIGHT:
+                        in_flight.pop(0)[1].wait()
+                for _, work in in_flight:
+                    work.wait()
+            else:
+                posted = []
+                for h in hdr[0]:
                     v, n, metas = Bucket.metas_from_header(h)
                     data = torch.empty(n, dtype=torch.uint8)
-                dist.broadcast(data, src=0)
-                if rank == 1:
-                    for _name, view in unpack_bucket(Bucket(metas, data, v)):
+                    posted.append((Bucket(metas, data, v), dist.broadcast(data, 0, async_op=True)))
+                for bucket, work in posted:
+                    work.wait()
+                    for _name, view in unpack_bucket(bucket):
                         _ = view  # what load_weights copies from
             times["bucketed"].append(time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for w in [dist.broadcast(d, src=0, async_op=True) for d in ready]:
+                w.wait()
+            times["sent"].append(time.perf_counter() - t0)
             dst = torch.empty_like(flat)
             t0 = time.perf_counter()
             dst.copy_(flat)
@@ -119,13 +144,18 @@ def main() -> int:
         p.join()
     print(f"# Weight sync, 2 processes over gloo, buckets of {args.bucket_mb:g} MB, "
           f"median of {args.reps}\n")  # fmt: skip
-    print("| model | flat GB/s | bucketed GB/s | memcpy GB/s | bucketed / flat |")
-    print("|---|---|---|---|---|")
+    print(
+        "| model | flat GB/s | buckets GB/s (packed before) | buckets / flat | "
+        "sync GB/s (pack, send, unpack) | sync / flat | memcpy GB/s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for _mb, nbytes, med in results:
         gb = nbytes / 1e9
         flat, buck, mem = gb / med["flat"], gb / med["bucketed"], gb / med["memcpy"]
+        sent = gb / med["sent"]
         print(
-            f"| {nbytes / 1e6:,.0f} MB | {flat:.2f} | {buck:.2f} | {mem:.2f} | {buck / flat:.2f} |"
+            f"| {nbytes / 1e6:,.0f} MB | {flat:.2f} | {sent:.2f} | {sent / flat:.2f} | "
+            f"{buck:.2f} | {buck / flat:.2f} | {mem:.2f} |"
         )
     return 0
 

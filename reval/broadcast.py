@@ -32,17 +32,15 @@ from torch import Tensor
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from reval.weights import Bucket, pack_buckets, unpack_bucket
+from reval.weights import Bucket, plan_buckets, unpack_bucket
+
+IN_FLIGHT = 3
 
 log = logging.getLogger("reval.broadcast")
 
 
 def _td(seconds: float) -> dt.timedelta:
     return dt.timedelta(seconds=seconds)
-
-
-def _broadcast(pg: Any, tensor: Tensor) -> None:
-    pg.broadcast(tensor, 0).wait()
 
 
 class BroadcastHub:
@@ -119,13 +117,21 @@ class BroadcastHub:
             self._form(wanted)
             if self.pg is None:
                 return 0
-        buckets: list[Bucket] = list(pack_buckets(named_tensors, self.bucket_bytes, version))
+        plan = plan_buckets(named_tensors, self.bucket_bytes, version)
         g, seq = self.generation, self.seq + 1
-        headers = [b.header() for b in buckets]
+        headers = [b.header() for b in plan]
         self.store.set(f"sync/{g}/{seq}", json.dumps([version, [h.hex() for h in headers]]))
         try:
-            for b in buckets:
-                _broadcast(self.pg, b.data)
+            # Packing the next bucket overlaps sending this one (at most IN_FLIGHT buckets
+            # packed and not yet sent: bounded extra memory).
+            in_flight: list[tuple[Tensor, Any]] = []
+            for planned in plan:
+                data = planned.pack().data
+                in_flight.append((data, self.pg.broadcast(data, 0)))
+                if len(in_flight) > IN_FLIGHT:
+                    in_flight.pop(0)[1].wait()
+            for _, work in in_flight:
+                work.wait()
         except RuntimeError as err:  # a member died or stalled: gloo timed out
             self.failures += 1
             log.warning("sync of v%d failed (%s); the next sync re-forms the group", version, err)
@@ -213,11 +219,15 @@ class BroadcastReceiver:
             version, hex_headers = json.loads(store.get(key))
             tensors: list[tuple[str, Tensor]] = []
             try:
-                for h in hex_headers:
+                buckets, works = [], []
+                for h in hex_headers:  # post every receive, then wait: no idle link between
                     v, nbytes, metas = Bucket.metas_from_header(bytes.fromhex(h))
                     bucket = Bucket(metas, torch.empty(nbytes, dtype=torch.uint8), v)
-                    _broadcast(pg, bucket.data)
-                    tensors.extend((n, t.clone()) for n, t in unpack_bucket(bucket))
+                    buckets.append(bucket)
+                    works.append(pg.broadcast(bucket.data, 0))
+                for bucket, work in zip(buckets, works, strict=True):
+                    work.wait()
+                    tensors.extend(unpack_bucket(bucket))  # views of a buffer owned here
             except RuntimeError as err:  # another member died mid-sync: wait for a new group
                 log.info("weights receiver: sync of v%s failed (%s)", version, err)
                 return

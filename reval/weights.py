@@ -56,11 +56,14 @@ class Bucket:
 
     def header(self) -> bytes:
         """The typed metadata that precedes the data on the wire (msgpack)."""
+        return self.header_for(int(self.data.numel()))
+
+    def header_for(self, nbytes: int) -> bytes:
         return msgpack.packb(
             {
                 "v": HEADER_VERSION,
                 "version": self.version,
-                "nbytes": int(self.data.numel()),
+                "nbytes": nbytes,
                 "tensors": [
                     [m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in self.metas
                 ],
@@ -88,16 +91,43 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def pack_buckets(
+@dataclass
+class PlannedBucket:
+    """A bucket's layout before its bytes are copied (``pack`` copies them): its header can be
+    sent ahead, and packing the next bucket can overlap sending this one."""
+
+    metas: list[TensorMeta]
+    tensors: list[Tensor]
+    nbytes: int
+    version: int = 0
+
+    def header(self) -> bytes:
+        return Bucket(self.metas, torch.empty(0, dtype=torch.uint8), self.version).header_for(
+            self.nbytes
+        )
+
+    def pack(self) -> Bucket:
+        device = self.tensors[0].device
+        data = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        for t, m in zip(self.tensors, self.metas, strict=True):
+            data[m.offset : m.offset + m.nbytes].copy_(
+                t.detach().contiguous().view(-1).view(torch.uint8)
+            )
+        return Bucket(self.metas, data, self.version)
+
+
+def plan_buckets(
     named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int, version: int = 0
-) -> Iterator[Bucket]:
-    """Group tensors into buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+) -> list[PlannedBucket]:
+    """Group tensors into buckets of at most ``bucket_bytes`` (a larger tensor gets its own),
+    without copying anything yet."""
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be > 0")
+    out: list[PlannedBucket] = []
     pending: list[tuple[str, Tensor]] = []
     size = 0
 
-    def flush() -> Bucket:
+    def flush() -> None:
         metas, offset = [], 0
         for name, t in pending:
             metas.append(
@@ -110,24 +140,28 @@ def pack_buckets(
                 )
             )
             offset = _align(offset + metas[-1].nbytes)
-        data = torch.empty(offset, dtype=torch.uint8, device=pending[0][1].device)
-        for (_, t), m in zip(pending, metas, strict=True):
-            data[m.offset : m.offset + m.nbytes].copy_(
-                t.detach().contiguous().view(-1).view(torch.uint8)
-            )
-        return Bucket(metas, data, version)
+        out.append(PlannedBucket(metas, [t for _, t in pending], offset, version))
 
     for name, tensor in named_tensors:
         if str(tensor.dtype).removeprefix("torch.") not in _DTYPES:
             raise TypeError(f"{name}: dtype {tensor.dtype} cannot be packed")
         nbytes = _align(tensor.numel() * tensor.element_size())
         if pending and size + nbytes > bucket_bytes:
-            yield flush()
+            flush()
             pending, size = [], 0
         pending.append((name, tensor))
         size += nbytes
     if pending:
-        yield flush()
+        flush()
+    return out
+
+
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int, version: int = 0
+) -> Iterator[Bucket]:
+    """Group tensors into buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+    for planned in plan_buckets(named_tensors, bucket_bytes, version):
+        yield planned.pack()
 
 
 def unpack_bucket(bucket: Bucket) -> list[tuple[str, Tensor]]:
