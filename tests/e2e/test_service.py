@@ -150,6 +150,7 @@ def test_service_end_to_end(tmp_path, redis_url, redis_prefix, broadcast):
     assert (final / "config.json").is_file() and any(final.glob("*.safetensors"))
 
 
+@pytest.mark.slow
 def test_service_learns(tmp_path, redis_url, redis_prefix):
     """The shortened demo's amount of learning (600 updates of 256, K=4 through the limiter,
     the demo's reference reset) through the service: the reward rises (measured here: the mean
