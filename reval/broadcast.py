@@ -182,7 +182,9 @@ class BroadcastReceiver:
                 self.stop.wait(0.5)
 
     def _session(self) -> None:
-        store = TCPStore(self.host, self.port, is_master=False, timeout=_td(self.timeout_s))
+        # Connecting gives up soon (a learner that is gone); operations use the full timeout.
+        store = TCPStore(self.host, self.port, is_master=False, timeout=_td(2.0))
+        store.set_timeout(_td(self.timeout_s))
         self.ticket = ticket = int(store.add("tickets", 1))
         store.set(f"ticket/{ticket}", self.worker_id)
         seen = 0

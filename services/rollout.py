@@ -373,4 +373,10 @@ def main(cfg: RunConfig, worker_id: str | None, max_batches: int | None, port: i
         ),
         flush=True,
     )
+    if worker.receiver is not None:
+        # The broadcast receiver's thread may sit in a gloo or TCPStore call (the learner gone):
+        # leave without the interpreter's teardown, which would abort under it. Everything
+        # that matters (pushes, deregistration, the summary) is done.
+        logging.shutdown()
+        os._exit(0)
     return 0
