@@ -12,7 +12,7 @@ partial Fisher-Yates shuffle (O(B), not O(M)); prioritized sampling walks a sum 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -63,7 +63,6 @@ class SampledBatch:
     """Stale trajectories passed over (or dropped) to fill this batch."""
     wait_s: float = 0.0
     """Seconds spent waiting for the rate limiter or for enough trajectories."""
-    extra: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.trajectories)

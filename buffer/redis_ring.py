@@ -552,14 +552,17 @@ class RedisRing:
                 blobs = self.client.mget([k.rec + t.decode() for t, _, _ in rows]) if rows else []
                 return list(zip(rows, blobs, strict=True))
 
-            for (_, uses, ref), blob in self._retry(read, self.retry_s):
-                if blob is None:
-                    continue  # evicted meanwhile
-                good, _bad = decode_many([blob], self.max_record_bytes)
-                for t in good:
-                    t.use_count = int(uses or 0)
-                    _apply_ref(t, ref)
-                    out.append(t)
+            rows = [(row, blob) for row, blob in self._retry(read, self.retry_s) if blob]
+            good, bad = decode_many([blob for _, blob in rows], self.max_record_bytes)
+            bad_at = {i for i, _ in bad}  # evicted meanwhile are absent; corrupt ones skipped
+            it = iter(good)
+            for i, ((_, uses, ref), _) in enumerate(rows):
+                if i in bad_at:
+                    continue
+                t = next(it)
+                t.use_count = int(uses or 0)
+                _apply_ref(t, ref)
+                out.append(t)
         return out
 
     def stats(self) -> BufferStats:

@@ -15,6 +15,7 @@ exported at the end (and on demand with ``--export``).
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import logging
@@ -46,12 +47,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from buffer import make_buffer
 from buffer.base import SampleTimeout
 from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
 from buffer.records import Trajectory
-from buffer.redis_ring import RedisRing
 from learner.trainer import Learner
+from reval import registry
 from reval.config import RunConfig, dump_config
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import load_policy
@@ -131,21 +133,10 @@ class LearnerService:
         self.state = LearnerState()
         self.last_staleness = 0.0
         bc = cfg.buffer
-        self.ring = RedisRing(
+        self.ring = make_buffer(
+            bc,
             cfg.name,
-            bc.capacity,
-            url=bc.redis_url,
-            key_prefix=bc.key_prefix,
             seed=cfg.seed * 7919 + self.rank,
-            samples_per_insert=bc.samples_per_insert,
-            rate_slack=bc.rate_slack,
-            min_size_to_sample=bc.min_size_to_sample,
-            max_staleness=bc.max_staleness,
-            prioritized=bc.prioritized,
-            priority_alpha=bc.priority_alpha,
-            priority_beta=bc.priority_beta,
-            priority_eps=bc.priority_eps,
-            retry_s=bc.sample_timeout_s,
             metrics=BufferMetrics(self.metrics.registry) if self.rank == 0 else None,
         )
         self.client = redis.Redis.from_url(bc.redis_url, socket_timeout=30)
@@ -172,8 +163,7 @@ class LearnerService:
         for t in list(policy.model.parameters()) + list(policy.model.buffers()):
             dist.broadcast(t.data, src=0)
         model = policy.model.to(self.device)
-        reference = load_policy(cfg.model.model_copy(update={"device": "cpu"}), cfg.seed).model
-        reference.load_state_dict(model.state_dict())
+        reference = copy.deepcopy(model)  # not a second load of the checkpoint
         reference.to(self.device).eval().requires_grad_(False)
         mesh = init_device_mesh(self.device.type, (self.world,))
         self.model = _shard(model, mesh)
@@ -403,7 +393,9 @@ class LearnerService:
         m.skipped.inc(1 if metrics["skipped"] else 0)
         m.version.set(self.state.step)
         m.reward.set(reward)
-        alive = sum(1 for _ in self.client.scan_iter(match=self._workers_glob(), count=100))
+        alive = registry.count_alive(
+            self.client, self.cfg.buffer.key_prefix, self.cfg.name, self.cfg.rollout.heartbeat_s
+        )
         m.workers.set(alive)
         record = {
             "update": self.state.updates,
@@ -421,10 +413,6 @@ class LearnerService:
         }
         if self.writer is not None:
             self.writer.write(record)
-
-    def _workers_glob(self) -> str:
-        prefix = self.cfg.buffer.key_prefix
-        return f"{prefix}{{{self.cfg.name}}}:workers:*"
 
 
 def _rank_main(rank: int, world: int, port: int, cfg_json: str, resume: bool, out: str) -> None:

@@ -24,6 +24,8 @@ import redis
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from reval.retry import retry_redis
+
 log = logging.getLogger("reval.weights")
 
 
@@ -57,17 +59,7 @@ class WeightStore:
         self.retry_s = retry_s
 
     def _retry(self, fn: Any) -> Any:
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.05
-        while True:
-            try:
-                return fn()
-            except (redis.ConnectionError, redis.TimeoutError) as err:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("weights announcement: Redis unreachable, retrying: %s", err)
-                time.sleep(delay)
-                delay = min(2 * delay, 2.0)
+        return retry_redis(fn, self.retry_s, "weights announcement", log)
 
     def publish(
         self,

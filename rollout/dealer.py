@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import redis
 
+from reval.retry import retry_redis
 from rollout.tasks import Prompt
 
 log = logging.getLogger("reval.dealer")
@@ -60,17 +60,9 @@ class PromptDealer:
         return perm
 
     def _incr(self, n: int) -> int:
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.05
-        while True:
-            try:
-                return int(self.client.incrby(self.key, n))
-            except (redis.ConnectionError, redis.TimeoutError) as err:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("prompt cursor: Redis unreachable, retrying: %s", err)
-                time.sleep(delay)
-                delay = min(2 * delay, 2.0)
+        return int(
+            retry_redis(lambda: self.client.incrby(self.key, n), self.retry_s, "prompt cursor", log)
+        )
 
     def take(self, n: int) -> list[tuple[int, Prompt]]:
         """The next ``n`` prompts of the shared deal, each with its epoch."""

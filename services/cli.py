@@ -18,42 +18,32 @@ ALGO_OVERRIDES = {
 }
 
 
+def _config_args(parser: argparse.ArgumentParser, set_help: str) -> None:
+    parser.add_argument("--config", help="TOML config (default: configs/demo.toml)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=set_help,
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reval", description="ReVal: off-policy RL post-training")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run the whole ReVal loop in one process")
-    t.add_argument("--config", help="TOML config (default: configs/demo.toml)")
-    t.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field, e.g. --set learner.lr=1e-3 (repeatable)",
-    )
+    _config_args(t, "override a field, e.g. --set learner.lr=1e-3 (repeatable)")
     t.add_argument("--algo", choices=sorted(ALGO_OVERRIDES), help="loss (baselines: grpo, tbrm)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     le = sub.add_parser("learner", help="run the learner service (FSDP2 ranks)")
-    le.add_argument("--config", help="TOML config (default: configs/demo.toml)")
-    le.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field (repeatable)",
-    )
+    _config_args(le, "override a field (repeatable)")
     le.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     le.add_argument("--nproc", type=int, help="ranks to spawn (default learner.world_size)")
     r = sub.add_parser("rollout", help="run one rollout worker (generate, verify, push)")
-    r.add_argument("--config", help="TOML config (default: configs/demo.toml)")
-    r.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field, e.g. --set buffer.redis_url=redis://host:6379/0 (repeatable)",
+    _config_args(
+        r, "override a field, e.g. --set buffer.redis_url=redis://host:6379/0 (repeatable)"
     )
     r.add_argument("--worker-id", help="stable id of this worker (default: host-pid-random)")
     r.add_argument("--max-batches", type=int, help="stop after this many generation batches")

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from buffer.metrics import BufferMetrics
 from buffer.redis_ring import RedisRing
+from reval import registry
 from reval.config import RunConfig
 from reval.metrics import PREFIX
 from reval.policy import load_policy
@@ -37,10 +38,6 @@ from rollout.engines import GenerationEngine, HFEngine, SamplingParams
 from rollout.tasks import Prompt, Task, build_task
 
 log = logging.getLogger("reval.rollout")
-
-
-def worker_key(prefix: str, run: str, worker_id: str) -> str:
-    return f"{prefix}{{{run}}}:workers:{worker_id}"
 
 
 class RolloutMetrics:
@@ -146,7 +143,6 @@ class RolloutWorker:
         )
         weights_dir = cfg.sync.weights_dir or str(cfg.run_dir / "weights")
         self.weights = WeightStore(self.client, b.key_prefix, cfg.name, weights_dir)
-        self.key = worker_key(b.key_prefix, cfg.name, self.worker_id)
         self._heartbeat: threading.Thread | None = None
         self._loaded: tuple[int, float] | None = None
         self.receiver: Any = None
@@ -173,9 +169,10 @@ class RolloutWorker:
             "trajectories": self.stats.trajectories,
             "last_seen": time.time(),
         }
-        ttl = max(1, int(3 * self.cfg.rollout.heartbeat_s + 0.999))
+        b = self.cfg.buffer
         try:
-            self.client.set(self.key, json.dumps(info), ex=ttl)
+            registry.register(self.client, b.key_prefix, self.cfg.name, info,
+                              self.cfg.rollout.heartbeat_s)  # fmt: skip
         except (redis.ConnectionError, redis.TimeoutError) as err:
             log.warning("heartbeat failed (Redis unreachable): %s", err)
 
@@ -185,7 +182,8 @@ class RolloutWorker:
 
     def _deregister(self) -> None:
         try:
-            self.client.delete(self.key)
+            registry.deregister(self.client, self.cfg.buffer.key_prefix, self.cfg.name,
+                                self.worker_id)  # fmt: skip
         except (redis.ConnectionError, redis.TimeoutError) as err:
             log.warning("could not deregister (Redis unreachable): %s", err)
 

@@ -20,10 +20,11 @@ import torch
 from buffer.redis_ring import RedisRing
 from reval.config import load_config
 from reval.policy import load_policy
+from reval.registry import worker_key
 from reval.weight_sync import WeightStore
 from rollout.dealer import PromptDealer
 from rollout.tasks import Prompt
-from services.rollout import RolloutWorker, worker_key
+from services.rollout import RolloutWorker
 from tests.integration.test_redis_buffer import OwnRedis
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,47 @@
+"""Where rollout workers announce themselves: one key per worker with its details (expiring
+after three missed heartbeats) and a sorted set of last-seen times, so counting the live workers
+is one ZCOUNT, not a SCAN over the run's keyspace (which holds every record)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+
+def worker_key(prefix: str, run: str, worker_id: str) -> str:
+    return f"{prefix}{{{run}}}:workers:{worker_id}"
+
+
+def workers_index(prefix: str, run: str) -> str:
+    return f"{prefix}{{{run}}}:workers"
+
+
+def register(
+    client: redis.Redis, prefix: str, run: str, info: dict[str, Any], heartbeat_s: float
+) -> None:
+    now = time.time()
+    ttl = max(1, int(3 * heartbeat_s + 0.999))
+    pipe = client.pipeline(transaction=True)
+    pipe.set(worker_key(prefix, run, info["id"]), json.dumps(info), ex=ttl)
+    pipe.zadd(workers_index(prefix, run), {info["id"]: now})
+    pipe.execute()
+
+
+def deregister(client: redis.Redis, prefix: str, run: str, worker_id: str) -> None:
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(worker_key(prefix, run, worker_id))
+    pipe.zrem(workers_index(prefix, run), worker_id)
+    pipe.execute()
+
+
+def count_alive(client: redis.Redis, prefix: str, run: str, heartbeat_s: float) -> int:
+    """Workers seen within three heartbeats (older entries are dropped from the index)."""
+    index = workers_index(prefix, run)
+    since = time.time() - 3 * heartbeat_s
+    pipe = client.pipeline(transaction=False)
+    pipe.zremrangebyscore(index, "-inf", f"({since}")
+    pipe.zcard(index)
+    return int(pipe.execute()[1])
