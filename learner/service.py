@@ -25,7 +25,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,6 +190,7 @@ class LearnerService:
             )
             log.info("broadcast hub on port %d", self.hub.port)
         self.broadcast_to = 0
+        self.saved_step = -1
         if resume:
             self.load_checkpoint()
 
@@ -218,6 +219,7 @@ class LearnerService:
             (path / "reval_state.json").write_text(json.dumps(meta))
             (self.ckpt_dir / "latest").write_text(path.name)
         dist.barrier()
+        self.saved_step = self.state.step
         log.info("checkpoint %s", path)
         return path
 
@@ -237,6 +239,7 @@ class LearnerService:
         self.state.ref_resets = int(meta["ref_resets"])
         self.learner.reference.version = int(meta["ref_version"])
         self.learner.skipped_steps = int(meta["skipped_steps"])
+        self.saved_step = self.state.step
         log.info("resumed from %s at step %d", path, self.state.step)
 
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -367,7 +370,8 @@ class LearnerService:
         finally:
             if prefetch is not None:
                 prefetch.close()
-        self.save_checkpoint()
+        if self.saved_step != self.state.step:  # (not twice for one step)
+            self.save_checkpoint()
         if self.state.updates >= total:
             self.export_hf(self.run_dir / "final")
         return self.state
@@ -423,8 +427,16 @@ def _rank_main(rank: int, world: int, port: int, cfg_json: str, resume: bool, ou
     run_rank(cfg, resume, out)
 
 
-def run_rank(cfg: RunConfig, resume: bool, out: str | None) -> LearnerState:
-    """One rank: join the process group, run, leave."""
+def run_rank(
+    cfg: RunConfig,
+    resume: bool,
+    out: str | None,
+    on_service: Callable[[LearnerService], None] | None = None,
+    handle_signals: bool = True,
+) -> LearnerState:
+    """One rank: join the process group, run, leave. ``on_service`` gets the service before it
+    runs (a Ray actor keeps it to stop it); ``handle_signals``: SIGTERM/SIGINT checkpoint and
+    stop (only in a process's main thread)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ["WORLD_SIZE"]))))
     backend = "nccl" if torch.cuda.is_available() and cfg.model.device != "cpu" else "gloo"
     if cfg.sync.backend != "auto":
@@ -440,8 +452,11 @@ def run_rank(cfg: RunConfig, resume: bool, out: str | None) -> LearnerState:
             log.info("rank %d: signal %d: checkpoint and stop", service.rank, signum)
             service.stop.set()
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        if handle_signals:
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+        if on_service is not None:
+            on_service(service)
         if service.rank == 0 and cfg.metrics.prometheus_port is not None:
             from prometheus_client import start_http_server
 

@@ -257,6 +257,34 @@ class SyncConfig(_Section):
     """Port of the hub (0: any free port; it is announced in Redis)."""
 
 
+class LaunchConfig(_Section):
+    """``reval launch``: the whole run on Ray (a local Ray, or the cluster at ``RAY_ADDRESS``)."""
+
+    workers: int = Field(2, ge=0)
+    """Rollout workers to start (``reval launch --add/--remove`` change it during the run)."""
+    learner_cpus: float = Field(1.0, gt=0)
+    """CPUs reserved for each learner rank."""
+    learner_gpus: float = Field(0.0, ge=0)
+    """GPUs reserved for each learner rank (1 on a GPU node)."""
+    rollout_cpus: float = Field(1.0, gt=0)
+    """CPUs reserved for each rollout worker."""
+    rollout_gpus: float = Field(0.0, ge=0)
+    """GPUs reserved for each rollout worker (1 for a vLLM worker on a GPU node)."""
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Placement-group strategy of the learner ranks (PACK keeps them on one node if it can)."""
+    replace_dead_workers: bool = True
+    """Start a new rollout worker in place of one that died (not of one removed on purpose)."""
+    max_learner_restarts: int = Field(3, ge=0)
+    """Restarts of the learner (all ranks, from the latest checkpoint) after a rank died."""
+    namespace: str = "reval"
+    """Ray namespace of the run's named control actor (``reval launch --add`` finds it there)."""
+    local_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs of a local Ray (default: enough for the learner and the workers, at least
+    the machine's cores); ignored when joining an existing cluster."""
+    stop_timeout_s: float = Field(60.0, gt=0)
+    """How long stopping waits for workers to drain and the learner to checkpoint."""
+
+
 class MetricsConfig(_Section):
     """What the run records."""
 
@@ -300,6 +328,7 @@ class RunConfig(_Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @property

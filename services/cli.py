@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from reval.config import ConfigError, load_config
 
@@ -48,7 +49,39 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--worker-id", help="stable id of this worker (default: host-pid-random)")
     r.add_argument("--max-batches", type=int, help="stop after this many generation batches")
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    la = sub.add_parser(
+        "launch",
+        help="run learner ranks and rollout workers on Ray; or control a launched run",
+    )
+    _config_args(la, "override a field (repeatable); the run is found by its name")
+    la.add_argument("--resume", action="store_true", help="learner continues from its checkpoint")
+    la.add_argument("--add", type=int, default=0, metavar="N", help="add N workers to the run")
+    la.add_argument("--remove", type=int, default=0, metavar="N", help="drain N workers")
+    la.add_argument("--status", action="store_true", help="print the launched run's status")
+    la.add_argument("--stop", action="store_true", help="stop the launched run (checkpoint)")
     return p
+
+
+def _launch(cfg: Any, args: argparse.Namespace) -> int:
+    import json
+
+    if cfg.buffer.backend != "redis":
+        print("reval launch: a launched run needs buffer.backend=redis", file=sys.stderr)
+        return 2
+    if args.add < 0 or args.remove < 0:
+        print("reval launch: --add and --remove take a count >= 1", file=sys.stderr)
+        return 2
+    from services import launch
+
+    if args.add or args.remove or args.status or args.stop:
+        try:
+            status = launch.control(cfg, add=args.add, remove=args.remove, stop=args.stop)
+        except (LookupError, ConnectionError) as err:
+            print(f"reval launch: {err}", file=sys.stderr)
+            return 1
+        print(json.dumps(status), flush=True)
+        return 0
+    return launch.launch(cfg, resume=args.resume)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from learner.service import main as learner_main
 
         return learner_main(cfg, resume=args.resume, nproc=args.nproc)
+    if args.command == "launch":
+        return _launch(cfg, args)
     if args.command == "rollout":
         if cfg.buffer.backend != "redis":
             print(

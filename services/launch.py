@@ -1,0 +1,496 @@
+"""``reval launch``: a whole run on Ray. The learner ranks and the rollout workers are Ray actors
+with per-role resources (``[launch]``: CPUs here, GPUs on a GPU node), on a local Ray by default
+or on the cluster at ``RAY_ADDRESS``; Redis is the one in the config. This is how a run grows past
+one machine: the learner ranks sit in one placement group, the workers go wherever Ray finds room.
+
+The launching process (the *driver*) is the control loop. It owns every actor, so they end with
+it, and it:
+
+- starts the learner ranks (FSDP2 over ``learner.world_size`` actors; rank 0's node address and a
+  free port are the rendezvous) and ``launch.workers`` rollout workers;
+- restarts the whole learner from its latest checkpoint when a rank dies (up to
+  ``launch.max_learner_restarts``): the workers keep generating with their old weights meanwhile,
+  and the buffer is in Redis, so nothing generated is lost;
+- replaces a worker that died (``launch.replace_dead_workers``);
+- takes requests from other processes through a named actor, the run's *mailbox*
+  (``reval launch --add N`` / ``--remove N`` / ``--status``, found by run name in
+  ``launch.namespace``), and posts the run's status there;
+- when the learner has done its steps (or on SIGINT/SIGTERM: the learner checkpoints), drains the
+  workers (they push what they hold and deregister) and ends.
+
+Ray's API as used here (ray 2.x): ``ray.init(address=..., namespace=..., num_cpus=...)``,
+``@ray.remote`` classes with ``.options(num_cpus=, num_gpus=, max_concurrency=, name=,
+scheduling_strategy=)``, ``ray.util.placement_group`` with
+``PlacementGroupSchedulingStrategy``, ``ray.wait``, ``ray.kill``, ``ray.get_actor(name,
+namespace=)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from reval.config import RunConfig
+
+log = logging.getLogger("reval.launch")
+
+TICK_S = 0.5
+
+
+def mailbox_name(run: str) -> str:
+    return f"reval-run:{run}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _actor_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+
+class Mailbox:
+    """The run's named actor: requests in (add/remove workers, stop), status out."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, int]] = []
+        self.status: dict[str, Any] = {"state": "starting"}
+
+    def request(self, kind: str, n: int = 0) -> bool:
+        if kind not in ("add", "remove", "stop"):
+            raise ValueError(f"unknown request {kind!r} (add, remove, stop)")
+        if kind != "stop" and n < 1:
+            raise ValueError(f"{kind} needs a count >= 1, got {n}")
+        self.requests.append((kind, n))
+        return True
+
+    def take(self) -> list[tuple[str, int]]:
+        out, self.requests = self.requests, []
+        return out
+
+    def post(self, status: dict[str, Any]) -> None:
+        self.status = status
+
+    def get_status(self) -> dict[str, Any]:
+        return self.status
+
+
+class LearnerRank:
+    """One FSDP2 rank of ``learner/service.py`` in a Ray actor."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        _actor_logging()
+        self.rank, self.world = rank, world
+        self.service: Any = None
+        self.stopping = threading.Event()
+
+    def endpoint(self) -> tuple[str, int, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port(), os.getpid()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, cfg_json: str, addr: str, port: int, resume: bool) -> dict[str, Any]:
+        from learner.service import run_rank
+
+        os.environ.update(
+            MASTER_ADDR=addr,
+            MASTER_PORT=str(port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world),
+            LOCAL_RANK="0",  # Ray gives each rank its own device(s): CUDA_VISIBLE_DEVICES
+        )
+        cfg = RunConfig.model_validate_json(cfg_json)
+
+        def keep(service: Any) -> None:
+            self.service = service
+            if self.stopping.is_set():
+                service.stop.set()
+
+        state = run_rank(cfg, resume, None, on_service=keep, handle_signals=False)
+        return dict(state.__dict__)
+
+    def stop(self) -> None:
+        """Checkpoint and stop after the current update (every rank agrees through rank 0)."""
+        self.stopping.set()
+        if self.service is not None:
+            self.service.stop.set()
+
+
+class RolloutActor:
+    """One rollout worker (``services/rollout.py``) in a Ray actor."""
+
+    def __init__(self, worker_id: str) -> None:
+        _actor_logging()
+        self.worker_id = worker_id
+        self.worker: Any = None
+        self.stopping = threading.Event()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, cfg_json: str) -> dict[str, Any]:
+        from services.rollout import RolloutWorker
+
+        cfg = RunConfig.model_validate_json(cfg_json)
+        self.worker = RolloutWorker(cfg, self.worker_id)
+        if self.stopping.is_set():
+            self.worker.stop.set()
+        stats = self.worker.run()
+        return {
+            "worker": self.worker_id,
+            "batches": stats.batches,
+            "trajectories": stats.trajectories,
+            "versions": sorted(set(stats.versions)),
+        }
+
+    def stop(self) -> None:
+        """Drain: finish the batch, push, deregister."""
+        self.stopping.set()
+        if self.worker is not None:
+            self.worker.stop.set()
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    actor: Any
+    ref: Any
+    pid: int | None = None
+    stopping: bool = False
+    started: float = field(default_factory=time.time)
+
+
+class Launch:
+    """The driver's control loop over one run (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.ray = ray
+        self.cfg = cfg
+        lc = cfg.launch
+        self.world = cfg.learner.world_size
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            kwargs: dict[str, Any] = {"namespace": lc.namespace, "log_to_driver": True}
+            if address:
+                kwargs["address"] = address
+            else:
+                need = self.world * lc.learner_cpus + (lc.workers + 2) * lc.rollout_cpus
+                kwargs["num_cpus"] = lc.local_cpus or max(int(need + 0.999), os.cpu_count() or 1)
+            ray.init(**kwargs)
+        try:
+            ray.get_actor(mailbox_name(cfg.name), namespace=lc.namespace)
+        except ValueError:
+            pass
+        else:
+            raise RuntimeError(f"run {cfg.name!r} is already launched on this Ray cluster")
+        self.mailbox = (
+            ray.remote(Mailbox)
+            .options(name=mailbox_name(cfg.name), namespace=lc.namespace, num_cpus=0)
+            .remote()
+        )
+        bundle: dict[str, float] = {"CPU": lc.learner_cpus}
+        if lc.learner_gpus:
+            bundle["GPU"] = lc.learner_gpus
+        self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy=lc.placement)
+        ray.get(self.pg.ready(), timeout=600)
+        self.cfg_json = cfg.model_dump_json()
+        self.resume = resume
+        self.restarts = 0
+        self.ranks: list[Any] = []
+        self.rank_refs: list[Any] = []
+        self.rank_pids: list[int] = []
+        self.learner_state: dict[str, Any] | None = None
+        self.workers: dict[str, _Worker] = {}
+        self.next_worker = 0
+        self.dead_workers = 0
+        self.stop_requested = False
+        self.state = "starting"
+
+    # -- learner --------------------------------------------------------------------------------
+
+    def _ckpt_exists(self) -> bool:
+        return (self.cfg.run_dir / "checkpoints" / "latest").is_file()
+
+    def start_learner(self, resume: bool) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        lc = self.cfg.launch
+        cls = self.ray.remote(LearnerRank)
+        self.ranks = [
+            cls.options(
+                num_cpus=lc.learner_cpus,
+                num_gpus=lc.learner_gpus,
+                max_concurrency=2,  # run() and stop()
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=r
+                ),
+            ).remote(r, self.world)
+            for r in range(self.world)
+        ]
+        addr, port, pid0 = self.ray.get(self.ranks[0].endpoint.remote(), timeout=300)
+        self.rank_pids = [pid0] + [
+            int(p) for p in self.ray.get([a.pid.remote() for a in self.ranks[1:]], timeout=300)
+        ]
+        self.rank_refs = [a.run.remote(self.cfg_json, addr, port, resume) for a in self.ranks]
+        log.info(
+            "learner: %d rank(s) at %s:%d (pids %s)%s",
+            self.world,
+            addr,
+            port,
+            self.rank_pids,
+            ", resuming from the latest checkpoint" if resume else "",
+        )
+
+    def _check_learner(self) -> str:
+        """'running', 'done' or 'restarted'; raises when out of restarts."""
+        ready, _ = self.ray.wait(self.rank_refs, num_returns=len(self.rank_refs), timeout=0)
+        if not ready:
+            return "running"
+        failed = None
+        for ref in ready:
+            try:
+                result = self.ray.get(ref)
+            except Exception as err:  # a rank died or raised
+                failed = err
+                break
+            if ref is self.rank_refs[0]:
+                self.learner_state = result
+        if failed is None:
+            if len(ready) == len(self.rank_refs):
+                return "done"
+            return "running"  # rank 0 returned first; the others follow
+        log.error("learner rank failed: %s", str(failed).splitlines()[0] if str(failed) else failed)
+        for a in self.ranks:
+            self.ray.kill(a, no_restart=True)
+        if self.stop_requested or self.restarts >= self.cfg.launch.max_learner_restarts:
+            raise RuntimeError(
+                f"the learner failed and is not restarted ({self.restarts} restart(s) so far)"
+            )
+        self.restarts += 1
+        resume = self._ckpt_exists()
+        log.warning(
+            "restarting the learner (%d/%d) %s",
+            self.restarts,
+            self.cfg.launch.max_learner_restarts,
+            "from its latest checkpoint" if resume else "from scratch (no checkpoint yet)",
+        )
+        self.start_learner(resume)
+        return "restarted"
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def add_workers(self, n: int) -> list[str]:
+        lc = self.cfg.launch
+        cls = self.ray.remote(RolloutActor)
+        ids = []
+        for _ in range(n):
+            wid = f"{self.cfg.name}-w{self.next_worker}"
+            self.next_worker += 1
+            actor = cls.options(
+                num_cpus=lc.rollout_cpus, num_gpus=lc.rollout_gpus, max_concurrency=2
+            ).remote(wid)
+            self.workers[wid] = _Worker(wid, actor, actor.run.remote(self.cfg_json))
+            ids.append(wid)
+        log.info("started rollout worker(s) %s", ids)
+        return ids
+
+    def remove_workers(self, n: int) -> list[str]:
+        """Drain the n newest workers (they push what they hold, then leave)."""
+        live = [w for w in self.workers.values() if not w.stopping]
+        gone = sorted(live, key=lambda w: w.started)[-n:] if n > 0 else []
+        for w in gone:
+            w.stopping = True
+            w.actor.stop.remote()
+        log.info("draining rollout worker(s) %s", [w.worker_id for w in gone])
+        return [w.worker_id for w in gone]
+
+    def _check_workers(self) -> None:
+        refs = {w.ref: w for w in self.workers.values()}
+        if not refs:
+            return
+        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            w = refs[ref]
+            del self.workers[w.worker_id]
+            try:
+                summary = self.ray.get(ref)
+                log.info("worker %s finished: %s", w.worker_id, summary)
+            except Exception as err:
+                self.dead_workers += 1
+                log.error("worker %s died: %s", w.worker_id, str(err).splitlines()[0])
+                if not w.stopping and self.cfg.launch.replace_dead_workers:
+                    self.add_workers(1)
+            self.ray.kill(w.actor, no_restart=True)
+
+    def _worker_pids(self) -> None:
+        for w in self.workers.values():
+            if w.pid is None:
+                ready, _ = self.ray.wait([w.actor.pid.remote()], timeout=0.2)
+                if ready:
+                    w.pid = int(self.ray.get(ready[0]))
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "run": self.cfg.name,
+            "state": self.state,
+            "learner": {
+                "world_size": self.world,
+                "pids": self.rank_pids,
+                "restarts": self.restarts,
+                "final_state": self.learner_state,
+            },
+            "workers": [
+                {"id": w.worker_id, "pid": w.pid, "draining": w.stopping}
+                for w in self.workers.values()
+            ],
+            "dead_workers": self.dead_workers,
+            "time": time.time(),
+        }
+
+    def _handle_requests(self) -> None:
+        for kind, n in self.ray.get(self.mailbox.take.remote()):
+            if kind == "add":
+                self.add_workers(n)
+            elif kind == "remove":
+                self.remove_workers(n)
+            elif kind == "stop":
+                self.request_stop()
+
+    def request_stop(self) -> None:
+        if not self.stop_requested:
+            log.info("stopping: the learner checkpoints, the workers drain")
+            self.stop_requested = True
+            self.state = "stopping"
+            for a in self.ranks:
+                a.stop.remote()
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        resume = self.resume
+        if resume and not self._ckpt_exists():
+            raise FileNotFoundError(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}")
+        self.start_learner(resume)
+        self.add_workers(cfg.launch.workers)
+        self.state = "running"
+        ok = False
+        try:
+            while True:
+                outcome = self._check_learner()
+                if outcome == "done":
+                    ok = True
+                    break
+                self._handle_requests()
+                self._check_workers()
+                self._worker_pids()
+                self.mailbox.post.remote(self.status())
+                time.sleep(TICK_S)
+        finally:
+            self.state = "draining"
+            self.mailbox.post.remote(self.status())
+            self.shutdown()
+        self.state = "done" if ok else "failed"
+        return self.status()
+
+    def shutdown(self) -> None:
+        """Drain the workers (bounded by ``launch.stop_timeout_s``), then end every actor."""
+        ray = self.ray
+        for w in self.workers.values():
+            w.actor.stop.remote()
+        refs = [w.ref for w in self.workers.values()]
+        if refs:
+            _, pending = ray.wait(
+                refs, num_returns=len(refs), timeout=self.cfg.launch.stop_timeout_s
+            )
+            if pending:
+                log.warning("%d worker(s) did not drain in time: killed", len(pending))
+        for w in self.workers.values():
+            ray.kill(w.actor, no_restart=True)
+        self.workers.clear()
+        for a in self.ranks:
+            ray.kill(a, no_restart=True)
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+        ray.kill(self.mailbox, no_restart=True)
+
+
+def launch(cfg: RunConfig, resume: bool = False) -> int:
+    """Run a whole run on Ray until the learner is done; 0 on success."""
+    import json
+
+    import ray
+
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    driver = Launch(cfg, resume)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d", signum)
+        driver.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        status = driver.run()
+    except Exception as err:
+        log.error("launch failed: %s", err)
+        return 1
+    finally:
+        ray.shutdown()
+    print(json.dumps(status), flush=True)
+    return 0
+
+
+def control(cfg: RunConfig, add: int = 0, remove: int = 0, stop: bool = False) -> dict[str, Any]:
+    """From another process: send requests to a launched run, return its status."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace=cfg.launch.namespace,
+                 log_to_driver=False)  # fmt: skip
+    try:
+        box = ray.get_actor(mailbox_name(cfg.name), namespace=cfg.launch.namespace)
+    except ValueError as err:
+        raise LookupError(
+            f"no launched run {cfg.name!r} in Ray namespace {cfg.launch.namespace!r}"
+        ) from err
+    if add:
+        ray.get(box.request.remote("add", add))
+    if remove:
+        ray.get(box.request.remote("remove", remove))
+    if stop:
+        ray.get(box.request.remote("stop"))
+    return dict(ray.get(box.get_status.remote()))
+
+
+def wait_status(
+    cfg: RunConfig, predicate: Any, timeout_s: float, poll_s: float = 0.5
+) -> dict[str, Any]:
+    """Poll a launched run's status until ``predicate(status)`` holds (tests, scripts)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = control(cfg)
+        if predicate(status):
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"status never matched: {status}")
+        time.sleep(poll_s)
+
+
+__all__: Sequence[str] = ["Launch", "control", "launch", "mailbox_name", "wait_status"]
