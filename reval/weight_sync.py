@@ -72,7 +72,15 @@ class WeightStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"v{version:08d}.safetensors"
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+        tensors: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for name, t in named_tensors:
+            t = t.detach().to("cpu").contiguous()
+            # Tied weights (lm_head = embed_tokens, as one unsharded rank's state dict holds
+            # them) share storage, which safetensors refuses: the alias gets its own copy.
+            ptr = t.untyped_storage().data_ptr()
+            tensors[name] = t.clone() if ptr in seen else t
+            seen.add(ptr)
         save_file(tensors, str(tmp), metadata={"version": str(version)})
         os.replace(tmp, path)
         mapping: dict[str, Any] = {"version": version, "path": str(path), "time": time.time()}

@@ -78,6 +78,12 @@ class WorkerStats:
     tokens: int = 0
     weight_loads: int = 0
     versions: list[int] = field(default_factory=list)
+    weight_wait_s: float = 0.0
+    """Time spent blocked waiting for weights (only before the first load: after it the worker
+    generates with what it has and takes newer weights between batches)."""
+    busy_s: float = 0.0
+    """Time in batches (generate, grade, push)."""
+    started: float = field(default_factory=time.monotonic)
 
 
 def build_engine(cfg: RunConfig, seed: int) -> tuple[GenerationEngine, Any]:
@@ -249,6 +255,7 @@ class RolloutWorker:
         while not self.stop.is_set():
             if self._load(force=True):
                 self.metrics.weight_wait.inc(time.monotonic() - t0)
+                self.stats.weight_wait_s += time.monotonic() - t0
                 return True
             if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                 break
@@ -257,6 +264,7 @@ class RolloutWorker:
                 warned = True
             self.stop.wait(self.cfg.rollout.weights_poll_s)
         self.metrics.weight_wait.inc(time.monotonic() - t0)
+        self.stats.weight_wait_s += time.monotonic() - t0
         return False
 
     # -- the loop -------------------------------------------------------------------------------
@@ -275,7 +283,9 @@ class RolloutWorker:
                     break
                 if self._load():
                     self._register("running")
+                t0 = time.monotonic()
                 self._batch(n_prompts)
+                self.stats.busy_s += time.monotonic() - t0
         finally:
             self.shutdown()
         return self.stats
@@ -367,6 +377,9 @@ def main(cfg: RunConfig, worker_id: str | None, max_batches: int | None, port: i
                 "tokens": stats.tokens,
                 "weight_loads": stats.weight_loads,
                 "versions": sorted(set(stats.versions)),
+                "weight_wait_s": round(stats.weight_wait_s, 3),
+                "busy_s": round(stats.busy_s, 3),
+                "elapsed_s": round(time.monotonic() - stats.started, 3),
             }
         ),
         flush=True,

@@ -159,6 +159,18 @@ def test_weights_are_published_atomically_and_pruned(tmp_path, redis_url, redis_
     ]
 
 
+def test_tied_weights_publish(tmp_path, redis_url, redis_prefix):
+    """One unsharded rank's state dict holds tied weights as one storage under two names."""
+    client = redis.Redis.from_url(redis_url)
+    store = WeightStore(client, redis_prefix, "run", tmp_path / "w")
+    emb = torch.arange(6.0).reshape(2, 3)
+    store.publish([("embed.weight", emb), ("lm_head.weight", emb), ("b", torch.ones(1))], 1)
+    ann = store.latest()
+    assert ann is not None
+    got = dict(store.load(ann))
+    assert torch.equal(got["embed.weight"], emb) and torch.equal(got["lm_head.weight"], emb)
+
+
 # -- the worker ----------------------------------------------------------------------------------
 
 
