@@ -62,7 +62,10 @@ def wait_rows(path: Path, n: int, proc: subprocess.Popen[bytes], timeout: float)
         time.sleep(0.05)
 
 
-def cli(role: str, sets: list[str], *extra: str, log: Path) -> subprocess.Popen[bytes]:
+def cli(
+    role: str, sets: list[str], *extra: str, log: Path, threads: int | None = 1
+) -> subprocess.Popen[bytes]:
+    """``threads``: OMP_NUM_THREADS of the process (None: torch's default, all cores)."""
     cmd = [sys.executable, "-m", "services.cli", role]
     for s in sets:
         cmd += ["--set", s]
@@ -71,7 +74,8 @@ def cli(role: str, sets: list[str], *extra: str, log: Path) -> subprocess.Popen[
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=log.open("w"),
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        | ({"OMP_NUM_THREADS": str(threads)} if threads else {}),
         start_new_session=True,
     )
 
@@ -96,7 +100,7 @@ def main() -> None:
     # 1. One process.
     sets = [*base, f"output_dir={out}", "name=one", f"learner.rounds={args.warm + args.rounds + 5}",
             "metrics.progress=false"]  # fmt: skip
-    proc = cli("train", sets, log=out / "train.log")
+    proc = cli("train", sets, log=out / "train.log", threads=None)  # all cores, one process
     path = out / "one" / "metrics.jsonl"
     wait_rows(path, args.warm, proc, 900)
     t0, c0, n0 = time.monotonic(), cpu_times(), len(rows(path))
