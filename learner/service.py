@@ -183,12 +183,18 @@ class LearnerService:
         if self.rank == 0 and cfg.sync.broadcast:
             from reval.broadcast import BroadcastHub
 
+            # One code path: NCCL groups from a GPU learner, gloo from a CPU one.
+            hub_backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if cfg.sync.backend != "auto":
+                hub_backend = cfg.sync.backend
             self.hub = BroadcastHub(
                 cfg.sync.broadcast_port,
                 timeout_s=cfg.sync.timeout_s,
                 bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
+                backend=hub_backend,
+                device=self.device if hub_backend == "nccl" else "cpu",
             )
-            log.info("broadcast hub on port %d", self.hub.port)
+            log.info("broadcast hub (%s) on port %d", hub_backend, self.hub.port)
         self.broadcast_to = 0
         self.saved_step = -1
         if resume:
@@ -268,7 +274,7 @@ class LearnerService:
         if self.rank == 0:
             where = None
             if self.hub is not None:
-                where = f"{self.cfg.sync.broadcast_host}:{self.hub.port}"
+                where = f"{self.hub.backend}://{self.cfg.sync.broadcast_host}:{self.hub.port}"
             self.weights.publish(sd.items(), self.state.step, broadcast=where)
             if self.hub is not None:
                 self.broadcast_to = self.hub.sync(sd.items(), self.state.step)

@@ -1,5 +1,5 @@
-"""Weights from the learner to an elastic fleet over torch.distributed (gloo on CPU; the same
-protocol drives NCCL groups on GPU), in packed buckets (``reval/weights.py``).
+"""Weights from the learner to an elastic fleet over torch.distributed, in packed buckets
+(``reval/weights.py``): gloo groups on CPU, NCCL groups on GPU, one code path (``backend``).
 
 A fixed world cannot take newcomers, so membership is managed outside it (DESIGN.md's field
 notes): the learner hosts a ``TCPStore`` (``wait_for_workers=False``); a worker connects as a
@@ -15,6 +15,16 @@ do not acknowledge. The learner never waits longer than ``timeout`` for anyone.
 Workers receive on a background thread (``BroadcastReceiver``) into CPU memory while they
 generate; their main loop takes the newest complete version between batches. A newcomer gets the
 weights of the next sync after it joined (and the file announcement meanwhile).
+
+NCCL (``backend="nccl"``): the groups are ``ProcessGroupNCCL(PrefixStore, rank, size, options)``
+with ``options._timeout``, as ``torch.distributed.new_group`` builds them
+(``distributed_c10d._new_process_group_helper``); buckets are packed on the CPU, copied to the
+device and broadcast from there; receivers receive into device memory, so a GPU engine loads the
+weights without a host copy. A failed generation's group is aborted (``abort()``) before the next
+forms. Unverified here (no GPU): two processes on two GPUs are needed (NCCL cannot join two
+processes on one device); under ``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s default, NCCL's watchdog
+may end a process whose collective timed out instead of raising (the learner is then restarted
+from its checkpoint by ``reval launch``).
 """
 
 from __future__ import annotations
@@ -43,6 +53,44 @@ def _td(seconds: float) -> dt.timedelta:
     return dt.timedelta(seconds=seconds)
 
 
+def make_group(backend: str, store: Any, rank: int, size: int, timeout_s: float) -> Any:
+    """A process group outside the default world (gloo or NCCL) over ``store``."""
+    if backend == "gloo":
+        return ProcessGroupGloo(store, rank, size, _td(timeout_s))
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = _td(timeout_s)
+        return ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"unknown broadcast backend {backend!r} (gloo, nccl)")
+
+
+def _abort(pg: Any) -> None:
+    """Release a broken group (NCCL communicators otherwise stay stuck in the failed call)."""
+    abort = getattr(pg, "abort", None)
+    if abort is not None:
+        try:
+            abort()
+        except Exception as err:  # best effort: the group is dropped either way
+            log.debug("abort of a failed group: %s", err)
+
+
+def parse_address(announced: str) -> tuple[str, str, int]:
+    """``backend://host:port`` (or ``host:port``: gloo) -> (backend, host, port)."""
+    backend, _, rest = announced.rpartition("://")
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad broadcast address {announced!r} (want backend://host:port)")
+    return backend or "gloo", host, int(port)
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class BroadcastHub:
     """The learner's side (rank 0 only)."""
 
@@ -52,9 +100,17 @@ class BroadcastHub:
         host: str = "0.0.0.0",
         timeout_s: float = 60.0,
         bucket_bytes: int = 64 << 20,
+        backend: str = "gloo",
+        device: torch.device | str = "cpu",
     ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown broadcast backend {backend!r} (gloo, nccl)")
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
+        self.backend = backend
+        self.device = torch.device(device)
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ValueError("an NCCL hub needs a CUDA device")
         self.store = TCPStore(
             host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s)
         )
@@ -75,6 +131,8 @@ class BroadcastHub:
         """Propose generation g to ``wanted``; commit those who acknowledge in time."""
         self.generation += 1
         g = self.generation
+        if self.pg is not None:
+            _abort(self.pg)
         self.pg = None
         self.store.set(f"propose/{g}", json.dumps(wanted))
         self.store.set("generation", str(g))
@@ -99,8 +157,12 @@ class BroadcastHub:
         self.members = members
         if members:
             try:
-                self.pg = ProcessGroupGloo(
-                    PrefixStore(f"gen{g}", self.store), 0, len(members) + 1, _td(self.timeout_s)
+                self.pg = make_group(
+                    self.backend,
+                    PrefixStore(f"gen{g}", self.store),
+                    0,
+                    len(members) + 1,
+                    self.timeout_s,
                 )
             except RuntimeError as err:  # a member acknowledged, then vanished
                 log.warning("generation %d: the group did not form (%s)", g, err)
@@ -127,14 +189,18 @@ class BroadcastHub:
             in_flight: list[tuple[Tensor, Any]] = []
             for planned in plan:
                 data = planned.pack().data
+                if self.device.type != "cpu":
+                    data = data.to(self.device, non_blocking=True)
                 in_flight.append((data, self.pg.broadcast(data, 0)))
                 if len(in_flight) > IN_FLIGHT:
                     in_flight.pop(0)[1].wait()
             for _, work in in_flight:
                 work.wait()
-        except RuntimeError as err:  # a member died or stalled: gloo timed out
+            _sync_device(self.device)  # NCCL's wait() orders streams; this waits for the bytes
+        except RuntimeError as err:  # a member died or stalled: the collective timed out
             self.failures += 1
             log.warning("sync of v%d failed (%s); the next sync re-forms the group", version, err)
+            _abort(self.pg)
             self.pg = None
             self.members = []
             return 0
@@ -150,7 +216,20 @@ class BroadcastHub:
 class BroadcastReceiver:
     """A worker's side: joins the learner's hub and receives versions on a thread."""
 
-    def __init__(self, host: str, port: int, worker_id: str, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        worker_id: str,
+        timeout_s: float = 60.0,
+        backend: str = "gloo",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown broadcast backend {backend!r} (gloo, nccl)")
+        self.backend, self.device = backend, torch.device(device)
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ValueError("an NCCL receiver needs a CUDA device")
         self.host, self.port, self.worker_id = host, port, worker_id
         self.timeout_s = timeout_s
         self._latest: tuple[int, list[tuple[str, Tensor]]] | None = None
@@ -203,10 +282,15 @@ class BroadcastReceiver:
             if ticket not in members:
                 raise RuntimeError(f"not committed to generation {g}")
             rank = members.index(ticket) + 1
-            pg = ProcessGroupGloo(
-                PrefixStore(f"gen{g}", store), rank, len(members) + 1, _td(self.timeout_s)
-            )
-            self._receive(store, pg, g)
+            pg = make_group(
+                self.backend, PrefixStore(f"gen{g}", store), rank, len(members) + 1,
+                self.timeout_s,
+            )  # fmt: skip
+            try:
+                self._receive(store, pg, g)
+            finally:
+                if self.backend == "nccl":
+                    _abort(pg)
 
     def _receive(self, store: TCPStore, pg: Any, g: int) -> None:
         """Receive syncs of generation g until a newer generation is proposed."""
@@ -224,12 +308,14 @@ class BroadcastReceiver:
                 buckets, works = [], []
                 for h in hex_headers:  # post every receive, then wait: no idle link between
                     v, nbytes, metas = Bucket.metas_from_header(bytes.fromhex(h))
-                    bucket = Bucket(metas, torch.empty(nbytes, dtype=torch.uint8), v)
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                    bucket = Bucket(metas, buf, v)
                     buckets.append(bucket)
                     works.append(pg.broadcast(bucket.data, 0))
                 for bucket, work in zip(buckets, works, strict=True):
                     work.wait()
                     tensors.extend(unpack_bucket(bucket))  # views of a buffer owned here
+                _sync_device(self.device)
             except RuntimeError as err:  # another member died mid-sync: wait for a new group
                 log.info("weights receiver: sync of v%s failed (%s)", version, err)
                 return

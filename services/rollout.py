@@ -210,6 +210,38 @@ class RolloutWorker:
         self.metrics.version.set(version)
         return True
 
+    def _join_broadcast(self, address: str) -> None:
+        """Join the (new) learner's hub; a worker that cannot (an NCCL hub, no GPU here) keeps
+        reading the files."""
+        import torch
+
+        from reval.broadcast import BroadcastReceiver, parse_address
+
+        self.receiver_addr = address
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        try:
+            backend, host, port = parse_address(address)
+        except ValueError as err:
+            log.warning("worker %s: %s; weights from files", self.worker_id, err)
+            return
+        device = torch.device(str(getattr(self.engine, "device", "cuda")))
+        if backend == "nccl" and device.type != "cuda":
+            log.warning(
+                "worker %s: the learner broadcasts over NCCL and this engine is on %s: "
+                "weights from files", self.worker_id, device,
+            )  # fmt: skip
+            return
+        self.receiver = BroadcastReceiver(
+            host,
+            port,
+            self.worker_id,
+            timeout_s=self.cfg.sync.timeout_s,
+            backend=backend,
+            device=device if backend == "nccl" else "cpu",
+        )
+
     def _load(self, force: bool = False) -> bool:
         """Load newer announced weights; True if it loaded."""
         if not force and self._from_broadcast():
@@ -220,15 +252,7 @@ class RolloutWorker:
             return False
         if ann is not None and ann.broadcast and ann.broadcast != self.receiver_addr:
             # A (new) learner broadcasts: join its hub (a resumed learner has a new one).
-            from reval.broadcast import BroadcastReceiver
-
-            if self.receiver is not None:
-                self.receiver.close()
-            host, port = ann.broadcast.rsplit(":", 1)
-            self.receiver = BroadcastReceiver(
-                host, int(port), self.worker_id, timeout_s=self.cfg.sync.timeout_s
-            )
-            self.receiver_addr = ann.broadcast
+            self._join_broadcast(ann.broadcast)
         if ann is not None and self._loaded is not None and ann.version == self._loaded[0]:
             return False  # the broadcast already brought this version
         # A different announcement, not only a newer one: a learner resumed from an earlier

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from reval.broadcast import BroadcastHub, BroadcastReceiver, tensors_equal
+from reval.broadcast import (
+    BroadcastHub,
+    BroadcastReceiver,
+    make_group,
+    parse_address,
+    tensors_equal,
+)
 from reval.config import ModelConfig
 from reval.policy import load_policy
 from rollout.engines import HFEngine, SamplingParams
@@ -128,3 +134,56 @@ def test_zeroed_weights_reach_the_workers_engine():
         assert engine.policy_version == 5
     finally:
         recv.close()
+
+
+def test_addresses_and_backends():
+    assert parse_address("nccl://10.0.0.1:29500") == ("nccl", "10.0.0.1", 29500)
+    assert parse_address("gloo://learner-0:7000") == ("gloo", "learner-0", 7000)
+    assert parse_address("127.0.0.1:5") == ("gloo", "127.0.0.1", 5)  # before the scheme
+    for bad in ("nohost", "gloo://host:", "nccl://:12", "host:port"):
+        with pytest.raises(ValueError, match="broadcast address"):
+            parse_address(bad)
+    with pytest.raises(ValueError, match="CUDA"):
+        BroadcastHub(0, host="127.0.0.1", backend="nccl", device="cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        BroadcastReceiver("127.0.0.1", 1, "w", backend="nccl", device="cpu")
+    with pytest.raises(ValueError, match="unknown broadcast backend"):
+        BroadcastHub(0, host="127.0.0.1", backend="mpi")
+    with pytest.raises(ValueError, match="unknown broadcast backend"):
+        make_group("mpi", None, 0, 1, 1.0)
+
+
+def _nccl_member(port: int, out: str) -> None:
+    recv = BroadcastReceiver("127.0.0.1", port, "gpu1", timeout_s=60, backend="nccl",
+                             device="cuda:1")  # fmt: skip
+    try:
+        version, got = wait_for(recv, 2, timeout=120)
+        torch.save({n: t.cpu() for n, t in got} | {"_v": torch.tensor(version)}, out)
+        assert all(t.device.type == "cuda" for _, t in got)
+    finally:
+        recv.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs for two processes")
+@pytest.mark.timeout(300)
+def test_nccl_hub_on_two_gpus(tmp_path):
+    """The same protocol over NCCL groups: a hub on cuda:0, a member process on cuda:1."""
+    hub = BroadcastHub(0, host="127.0.0.1", timeout_s=60, bucket_bytes=2048, backend="nccl",
+                       device="cuda:0")  # fmt: skip
+    out = tmp_path / "got.pt"
+    ctx = torch.multiprocessing.get_context("spawn")
+    member = ctx.Process(target=_nccl_member, args=(hub.port, str(out)))
+    member.start()
+    try:
+        joined(hub, 1, timeout=60)
+        sent = [(n, t.cuda(0)) for n, t in weights(2.0)]
+        assert hub.sync(sent, 2) == 1
+        member.join(120)
+        assert member.exitcode == 0
+        got = torch.load(out)
+        assert int(got.pop("_v")) == 2
+        assert tensors_equal(sorted(got.items()), sorted((n, t) for n, t in weights(2.0)))
+    finally:
+        if member.is_alive():
+            member.kill()

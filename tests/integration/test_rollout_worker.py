@@ -57,7 +57,7 @@ def worker_cfg(tmp_path: Path, url: str, prefix: str, *extra: str):
     )
 
 
-def publish(cfg, version: int, perturb: float = 0.0) -> None:
+def publish(cfg, version: int, perturb: float = 0.0, broadcast: str | None = None) -> None:
     """The learner's side: announce weights (built like the worker's, optionally perturbed)."""
     policy = load_policy(cfg.model, cfg.seed)
     if perturb:
@@ -70,7 +70,7 @@ def publish(cfg, version: int, perturb: float = 0.0) -> None:
         cfg.name,
         cfg.sync.weights_dir or cfg.run_dir / "weights",
     )
-    store.publish(policy.model.named_parameters(), version)
+    store.publish(policy.model.named_parameters(), version, broadcast=broadcast)
 
 
 def ring_of(cfg) -> RedisRing:
@@ -234,6 +234,28 @@ def test_worker_takes_new_weights_between_batches(tmp_path, redis_url, redis_pre
     versions = Counter(t.policy_version for t in ring_of(cfg).items())
     assert set(versions) == {0, 7}
     assert worker.metrics.registry.get_sample_value("reval_rollout_policy_version") == 7
+
+
+def test_worker_on_cpu_reads_files_when_the_learner_broadcasts_over_nccl(
+    tmp_path, redis_url, redis_prefix
+):
+    """A GPU learner's hub speaks NCCL; a CPU worker cannot join it and keeps to the files."""
+    from reval.broadcast import BroadcastHub
+
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix, "rollout.worker_prompts=2")
+    publish(cfg, 3, broadcast="nccl://127.0.0.1:9")
+    worker = RolloutWorker(cfg, "wn")
+    try:
+        assert worker.wait_for_weights(timeout_s=20)
+        assert worker.engine.policy_version == 3 and worker.receiver is None
+        # A gloo hub, announced with the next version: the worker joins it.
+        hub = BroadcastHub(0, host="127.0.0.1", timeout_s=10)
+        publish(cfg, 4, broadcast=f"gloo://127.0.0.1:{hub.port}")
+        assert worker._load()
+        assert worker.engine.policy_version == 4 and worker.receiver is not None
+        assert worker.receiver.backend == "gloo"
+    finally:
+        worker.shutdown()
 
 
 def test_worker_waits_for_the_learners_weights(tmp_path, redis_url, redis_prefix):
