@@ -16,13 +16,14 @@ import os
 import socket
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from reval.broadcast import IN_FLIGHT
-from reval.weights import Bucket, pack_buckets, plan_buckets, unpack_bucket
+from reval.broadcast import BroadcastHub, BroadcastReceiver
+from reval.weights import pack_buckets
 
 
 def model_like(total_mb: int) -> list[tuple[str, torch.Tensor]]:
@@ -45,6 +46,32 @@ def model_like(total_mb: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _hub_pair(rank: int, bucket_bytes: int) -> tuple[Any, Any]:
+    """Rank 0 hosts a BroadcastHub, rank 1 joins it with a BroadcastReceiver."""
+    hub = recv = None
+    if rank == 0:
+        hub = BroadcastHub(0, host="127.0.0.1", timeout_s=120, bucket_bytes=bucket_bytes)
+    port = [hub.port if hub is not None else None]
+    dist.broadcast_object_list(port, src=0)
+    if rank == 1:
+        recv = BroadcastReceiver("127.0.0.1", int(port[0]), "bench", timeout_s=120)
+    dist.barrier()
+    if hub is not None:
+        while int(hub.store.add("tickets", 0)) < 1:
+            time.sleep(0.01)
+    return hub, recv
+
+
+def _take(recv: Any, version: int) -> None:
+    while True:
+        got = recv.take()
+        if got is not None and got[0] == version:
+            del got
+            recv.release()
+            return
+        time.sleep(0.0005)
+
+
 def _rank(rank: int, port: int, sizes: list[int], bucket_mb: float, reps: int, q: object) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=dt.timedelta(seconds=600))
@@ -59,7 +86,13 @@ def _rank(rank: int, port: int, sizes: list[int], bucket_mb: float, reps: int, q
             tensors = [(n, torch.empty(s)) for n, s in shapes]
         nbytes = sum(t.numel() * 4 for _, t in tensors)
         flat = torch.empty(nbytes, dtype=torch.uint8)
-        times: dict[str, list[float]] = {"flat": [], "bucketed": [], "memcpy": [], "sent": []}
+        times: dict[str, list[float]] = {
+            "flat": [],
+            "bucketed": [],
+            "memcpy": [],
+            "memcpy_cold": [],
+            "sent": [],
+        }
         # The buckets alone (packed beforehand): what bucketing costs the transport.
         if rank == 0:
             ready = [b.data for b in pack_buckets(tensors, int(bucket_mb * (1 << 20)), 1)]
@@ -70,49 +103,44 @@ def _rank(rank: int, port: int, sizes: list[int], bucket_mb: float, reps: int, q
         dist.broadcast_object_list(box, src=0)
         if rank != 0:
             ready = [torch.empty(n, dtype=torch.uint8) for n in box[0]]
+        hub, recv = _hub_pair(rank, int(bucket_mb * (1 << 20)))
+        version = 0
+        if rank == 0:  # the first sync forms the group
+            assert hub.sync(tensors, version) == 1
+        else:
+            _take(recv, version)
         for _ in range(reps):
             dist.barrier()
             t0 = time.perf_counter()
             dist.broadcast(flat, src=0)
             times["flat"].append(time.perf_counter() - t0)
+            # The real thing: BroadcastHub.sync on rank 0, a BroadcastReceiver on rank 1 (the
+            # receiver's thread receives; rank 1 takes the version, releases its buffers), then
+            # a barrier: the sync is done when the receiver holds the whole version.
+            version += 1
             dist.barrier()
             t0 = time.perf_counter()
-            # What BroadcastHub.sync / BroadcastReceiver do: headers first, then the buckets,
-            # packing the next one while the previous one is sent (IN_FLIGHT bound).
             if rank == 0:
-                plan = plan_buckets(tensors, int(bucket_mb * (1 << 20)), version=1)
-                headers = [b.header() for b in plan]
-            hdr = [headers if rank == 0 else None]
-            dist.broadcast_object_list(hdr, src=0)
-            if rank == 0:
-                in_flight = []
-                for planned in plan:
-                    data = planned.pack().data
-                    in_flight.append((data, dist.broadcast(data, src=0, async_op=True)))
-                    if len(in_flight) > IN_FLIGHT:
-                        in_flight.pop(0)[1].wait()
-                for _, work in in_flight:
-                    work.wait()
+                assert hub.sync(tensors, version) == 1
             else:
-                posted = []
-                for h in hdr[0]:
-                    v, n, metas = Bucket.metas_from_header(h)
-                    data = torch.empty(n, dtype=torch.uint8)
-                    posted.append((Bucket(metas, data, v), dist.broadcast(data, 0, async_op=True)))
-                for bucket, work in posted:
-                    work.wait()
-                    for _name, view in unpack_bucket(bucket):
-                        _ = view  # what load_weights copies from
+                _take(recv, version)
+            dist.barrier()
             times["bucketed"].append(time.perf_counter() - t0)
             dist.barrier()
             t0 = time.perf_counter()
             for w in [dist.broadcast(d, src=0, async_op=True) for d in ready]:
                 w.wait()
             times["sent"].append(time.perf_counter() - t0)
-            dst = torch.empty_like(flat)
             t0 = time.perf_counter()
-            dst.copy_(flat)
+            dst = torch.empty_like(flat)
+            dst.copy_(flat)  # into fresh memory: every page faults on first touch
+            times["memcpy_cold"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            dst.copy_(flat)  # into memory touched before
             times["memcpy"].append(time.perf_counter() - t0)
+        if recv is not None:
+            recv.close()
+        dist.barrier()
         if rank == 1:
             med = {k: statistics.median(v) for k, v in times.items()}
             results.append((mb, nbytes, med))
@@ -146,16 +174,18 @@ def main() -> int:
           f"median of {args.reps}\n")  # fmt: skip
     print(
         "| model | flat GB/s | buckets GB/s (packed before) | buckets / flat | "
-        "sync GB/s (pack, send, unpack) | sync / flat | memcpy GB/s |"
+        "sync GB/s (BroadcastHub to BroadcastReceiver) | sync / flat | memcpy GB/s | "
+        "memcpy into fresh memory GB/s |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for _mb, nbytes, med in results:
         gb = nbytes / 1e9
         flat, buck, mem = gb / med["flat"], gb / med["bucketed"], gb / med["memcpy"]
+        cold = gb / med["memcpy_cold"]
         sent = gb / med["sent"]
         print(
             f"| {nbytes / 1e6:,.0f} MB | {flat:.2f} | {sent:.2f} | {sent / flat:.2f} | "
-            f"{buck:.2f} | {buck / flat:.2f} | {mem:.2f} |"
+            f"{buck:.2f} | {buck / flat:.2f} | {mem:.2f} | {cold:.2f} |"
         )
     return 0
 

@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from reval.weights import Bucket, plan_buckets, unpack_bucket
+from reval.weights import Bucket, BufferPool, plan_buckets, unpack_bucket
 
 IN_FLIGHT = 3
 
@@ -119,6 +119,7 @@ class BroadcastHub:
         self.members: list[int] = []  # tickets, in rank order (rank = index + 1)
         self.dropped: set[int] = set()
         self.pg: Any = None
+        self.pool = BufferPool(keep=IN_FLIGHT + 2)
         self.seq = 0
         self.syncs = 0
         self.failures = 0
@@ -186,16 +187,21 @@ class BroadcastHub:
         try:
             # Packing the next bucket overlaps sending this one (at most IN_FLIGHT buckets
             # packed and not yet sent: bounded extra memory).
-            in_flight: list[tuple[Tensor, Any]] = []
+            # Buckets are packed into reused buffers (no page faults: see BufferPool).
+            in_flight: list[tuple[Tensor, Tensor, Any]] = []
             for planned in plan:
-                data = planned.pack().data
-                if self.device.type != "cpu":
+                buf = self.pool.get(planned.nbytes, planned.device)
+                data = planned.pack(out=buf).data
+                if data.device != self.device:
                     data = data.to(self.device, non_blocking=True)
-                in_flight.append((data, self.pg.broadcast(data, 0)))
+                in_flight.append((buf, data, self.pg.broadcast(data, 0)))
                 if len(in_flight) > IN_FLIGHT:
-                    in_flight.pop(0)[1].wait()
-            for _, work in in_flight:
+                    done, _, work = in_flight.pop(0)
+                    work.wait()
+                    self.pool.put(done)
+            for done, _, work in in_flight:
                 work.wait()
+                self.pool.put(done)
             _sync_device(self.device)  # NCCL's wait() orders streams; this waits for the bytes
         except RuntimeError as err:  # a member died or stalled: the collective timed out
             self.failures += 1
@@ -232,7 +238,9 @@ class BroadcastReceiver:
             raise ValueError("an NCCL receiver needs a CUDA device")
         self.host, self.port, self.worker_id = host, port, worker_id
         self.timeout_s = timeout_s
-        self._latest: tuple[int, list[tuple[str, Tensor]]] | None = None
+        self._latest: tuple[int, list[tuple[str, Tensor]], list[Tensor]] | None = None
+        self._lent: list[Tensor] = []
+        self.pool = BufferPool(keep=1 << 20)  # (one version's buckets, however many)
         self._lock = threading.Lock()
         self.stop = threading.Event()
         self.received = 0
@@ -241,10 +249,22 @@ class BroadcastReceiver:
         self._thread.start()
 
     def take(self) -> tuple[int, list[tuple[str, Tensor]]] | None:
-        """The newest complete version received since the last take (or None)."""
+        """The newest complete version received since the last take (or None). The tensors are
+        views of the receiver's buffers: call ``release()`` once they are loaded (copied) so
+        the next version reuses the memory; without it the next version gets new buffers."""
         with self._lock:
             out, self._latest = self._latest, None
-        return out
+            if out is None:
+                return None
+            self._lent = out[2]
+        return out[0], out[1]
+
+    def release(self) -> None:
+        """The tensors of the last ``take()`` are no longer used: their buffers are reused."""
+        with self._lock:
+            for buf in self._lent:
+                self.pool.put(buf)
+            self._lent = []
 
     def close(self) -> None:
         self.stop.set()
@@ -304,12 +324,13 @@ class BroadcastReceiver:
                 continue
             version, hex_headers = json.loads(store.get(key))
             tensors: list[tuple[str, Tensor]] = []
+            bufs: list[Tensor] = []
             try:
                 buckets, works = [], []
                 for h in hex_headers:  # post every receive, then wait: no idle link between
                     v, nbytes, metas = Bucket.metas_from_header(bytes.fromhex(h))
-                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                    bucket = Bucket(metas, buf, v)
+                    bufs.append(self.pool.get(nbytes, self.device))
+                    bucket = Bucket(metas, bufs[-1][:nbytes], v)
                     buckets.append(bucket)
                     works.append(pg.broadcast(bucket.data, 0))
                 for bucket, work in zip(buckets, works, strict=True):
@@ -320,7 +341,10 @@ class BroadcastReceiver:
                 log.info("weights receiver: sync of v%s failed (%s)", version, err)
                 return
             with self._lock:
-                self._latest = (int(version), tensors)
+                if self._latest is not None:  # superseded before anyone took it
+                    for buf in self._latest[2]:
+                        self.pool.put(buf)
+                self._latest = (int(version), tensors, bufs)
             self.received += 1
             seq += 1
 

@@ -106,14 +106,65 @@ class PlannedBucket:
             self.nbytes
         )
 
-    def pack(self) -> Bucket:
-        device = self.tensors[0].device
-        data = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def pack(self, out: Tensor | None = None) -> Bucket:
+        """Copy the tensors' bytes into ``out`` (a uint8 buffer of at least ``nbytes`` on their
+        device, e.g. from a ``BufferPool``) or into new memory."""
+        if out is None:
+            data = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            if out.dtype != torch.uint8 or out.numel() < self.nbytes:
+                raise ValueError(f"pack: need a uint8 buffer of {self.nbytes} bytes")
+            data = out[: self.nbytes]
         for t, m in zip(self.tensors, self.metas, strict=True):
             data[m.offset : m.offset + m.nbytes].copy_(
                 t.detach().contiguous().view(-1).view(torch.uint8)
             )
         return Bucket(self.metas, data, self.version)
+
+
+class BufferPool:
+    """Reusable flat byte buffers for packing and receiving buckets. Fresh memory costs a page
+    fault per page on first touch: on the development VM a copy into fresh memory ran at 1.2 GB/s
+    and into reused memory at 12.6 GB/s, slower and faster than gloo over loopback (3.5 GB/s).
+    Holds at most ``keep`` idle buffers (per pool); thread-safe."""
+
+    def __init__(self, keep: int = 8) -> None:
+        import threading
+
+        self.keep = keep
+        self._free: list[Tensor] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+        """Buffers this pool had to allocate (a steady state allocates none)."""
+
+    def get(self, nbytes: int, device: torch.device | str = "cpu") -> Tensor:
+        """A uint8 buffer of at least ``nbytes`` on ``device`` (the smallest idle one that fits,
+        else a new one); slice it to ``nbytes``, give the whole buffer back with ``put``."""
+        device = torch.device(device)
+        with self._lock:
+            fits = [
+                (int(b.numel()), i)
+                for i, b in enumerate(self._free)
+                if b.numel() >= nbytes and b.device == device
+            ]
+            if fits:
+                return self._free.pop(min(fits)[1])
+            self.allocated += 1
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def put(self, buf: Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self.keep:
+                self._free.sort(key=lambda b: int(b.numel()))
+                self._free.pop(0)  # keep the large ones: they fit any bucket
+
+    def __len__(self) -> int:
+        return len(self._free)
 
 
 def plan_buckets(

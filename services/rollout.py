@@ -203,7 +203,9 @@ class RolloutWorker:
         if got is None:
             return False
         version, tensors = got
-        self.engine.load_weights(tensors, version)
+        self.engine.load_weights(tensors, version)  # copies: the receiver may reuse the memory
+        del tensors
+        self.receiver.release()
         self._loaded = (version, -1.0)
         self.stats.weight_loads += 1
         self.metrics.weight_loads.inc()

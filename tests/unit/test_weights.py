@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reval.weights import ALIGN, Bucket, pack_buckets, unpack_bucket
+from reval.weights import ALIGN, Bucket, BufferPool, pack_buckets, plan_buckets, unpack_bucket
 
 
 def named():
@@ -54,3 +54,24 @@ def test_engine_loads_unpacked_buckets():
     assert eng.policy_version == 4
     for (n, a), (_, b) in zip(src.state_dict().items(), dst.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_packing_into_pooled_buffers():
+    named = [("a", torch.randn(100)), ("b", torch.arange(7)), ("c", torch.randn(3, 3).half())]
+    pool = BufferPool(keep=2)
+    for _ in range(3):  # the same buffers every round: nothing allocated after the first
+        plan = plan_buckets(named, 512, version=4)
+        bufs = [pool.get(p.nbytes) for p in plan]
+        for p, buf in zip(plan, bufs, strict=True):
+            pooled = p.pack(out=buf)  # (alignment padding is not written: compare tensors)
+            assert pooled.data.data_ptr() == buf.data_ptr()
+            got = dict(unpack_bucket(pooled))
+            for m, t in zip(p.metas, p.tensors, strict=True):
+                assert torch.equal(got[m.name], t)
+        for buf in bufs:
+            pool.put(buf)
+    assert pool.allocated == len(plan) and len(pool) == min(2, len(plan))
+    big = pool.get(10_000)  # larger than any idle one: a new buffer
+    assert big.numel() >= 10_000 and pool.allocated == len(plan) + 1
+    with pytest.raises(ValueError, match="uint8 buffer"):
+        plan[0].pack(out=torch.empty(1, dtype=torch.uint8))
