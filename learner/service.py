@@ -160,6 +160,8 @@ class LearnerService:
             loss = pretrain(policy, task, m.pretrain_steps, m.pretrain_lr, m.pretrain_batch_size,
                             cfg.seed)  # fmt: skip
             log.info("pretrained the tiny model: loss %.3f", loss)
+        if self.rank == 0:
+            self._share_task_setup(policy, resume)
         for t in list(policy.model.parameters()) + list(policy.model.buffers()):
             dist.broadcast(t.data, src=0)
         model = policy.model.to(self.device)
@@ -199,6 +201,23 @@ class LearnerService:
         self.saved_step = -1
         if resume:
             self.load_checkpoint()
+
+    def _share_task_setup(self, policy: Any, resume: bool) -> None:
+        """Calibrate the one-shot task on the initial policy and share it with the workers
+        (a resumed learner keeps the calibration the workers already use)."""
+        from reval.registry import task_key
+        from rollout.tasks import build_task, task_setup
+
+        cfg = self.cfg
+        if cfg.task.kind != "oneshot":
+            return
+        key = task_key(cfg.buffer.key_prefix, cfg.name)
+        if resume and self.client.exists(key):
+            return
+        task = build_task(cfg.task, cfg.seed, policy.tokenizer)
+        p = task.calibrate(policy)  # type: ignore[attr-defined]
+        self.client.set(key, json.dumps(task_setup(task)))
+        log.info("one-shot task calibrated: base success %.3f, shared with the workers", p)
 
     # -- checkpoints -------------------------------------------------------------------------
 

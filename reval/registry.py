@@ -45,3 +45,9 @@ def count_alive(client: redis.Redis, prefix: str, run: str, heartbeat_s: float) 
     pipe.zremrangebyscore(index, "-inf", f"({since}")
     pipe.zcard(index)
     return int(pipe.execute()[1])
+
+
+def task_key(prefix: str, run: str) -> str:
+    """Where the learner shares what its task learned about the initial policy (the one-shot
+    task's calibration) with the workers."""
+    return f"{prefix}{{{run}}}:task"

@@ -150,6 +150,30 @@ def code_probabilities(policy: Policy, prompt: str, codes: Sequence[str]) -> dic
     return {c: float(p) for c, p in zip(codes, resp.tolist(), strict=True)}
 
 
+def task_setup(task: Task) -> dict[str, object] | None:
+    """What a task learned about the initial policy that every worker must share (the one-shot
+    task's calibrated accepted codes), as JSON-able data; None for tasks without any."""
+    if isinstance(task, OneShotTask) and task.achieved_base_success is not None:
+        return {
+            "kind": "oneshot",
+            "accepted": sorted(task.verifier.accepted),
+            "base_success": task.achieved_base_success,
+        }
+    return None
+
+
+def apply_task_setup(task: Task, setup: dict[str, object]) -> None:
+    """Give a worker's task the learner's calibration; ValueError when it does not fit."""
+    if not isinstance(task, OneShotTask) or setup.get("kind") != "oneshot":
+        raise ValueError(f"task setup of kind {setup.get('kind')!r} does not fit {task.name!r}")
+    accepted = setup.get("accepted")
+    if not isinstance(accepted, list) or not accepted or not set(accepted) <= set(ONESHOT_CODES):
+        raise ValueError(f"bad accepted codes in the task setup: {accepted!r}")
+    task.verifier = AcceptSet([str(a) for a in accepted])
+    base = setup.get("base_success")
+    task.achieved_base_success = float(base) if isinstance(base, int | float) else None
+
+
 def build_task(cfg: TaskConfig, seed: int = 0, tokenizer: object | None = None) -> Task:
     """The task the config names."""
     if cfg.kind == "addition":

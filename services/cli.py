@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return rollout_main(cfg, args.worker_id, args.max_batches, args.metrics_port)
-        except ValueError as err:  # a config the worker cannot run with
+        except (ValueError, TimeoutError) as err:  # a config or a run it cannot work with
             print(f"reval rollout: {err}", file=sys.stderr)
             return 2
     if args.no_progress:

@@ -193,6 +193,31 @@ class RolloutWorker:
         except (redis.ConnectionError, redis.TimeoutError) as err:
             log.warning("could not deregister (Redis unreachable): %s", err)
 
+    def _task_setup(self, timeout_s: float = 60.0) -> None:
+        """Take the learner's calibration of the task (the one-shot task); the learner shares
+        it before its first weights, so it is there once weights are."""
+        if self.cfg.task.kind != "oneshot":
+            return
+        from rollout.tasks import apply_task_setup
+
+        key = registry.task_key(self.cfg.buffer.key_prefix, self.cfg.name)
+        deadline = time.monotonic() + timeout_s
+        while not self.stop.is_set():
+            try:
+                raw = self.client.get(key)
+            except (redis.ConnectionError, redis.TimeoutError):
+                raw = None
+            if raw is not None:
+                try:
+                    apply_task_setup(self.task, json.loads(raw))
+                except (ValueError, TypeError) as err:
+                    raise ValueError(f"the learner's task setup cannot be used: {err}") from err
+                log.info("worker %s: task calibrated by the learner", self.worker_id)
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no task calibration from the learner at {key}")
+            self.stop.wait(0.2)
+
     # -- weights --------------------------------------------------------------------------------
 
     def _from_broadcast(self) -> bool:
@@ -302,6 +327,7 @@ class RolloutWorker:
         try:
             if self.cfg.rollout.wait_for_weights and not self.wait_for_weights():
                 return self.stats
+            self._task_setup()
             self._register("running")
             n_prompts = self.cfg.rollout.worker_prompts or self.cfg.rollout.prompts_per_round
             while not self.stop.is_set():

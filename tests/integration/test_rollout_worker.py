@@ -18,6 +18,7 @@ import redis
 import torch
 
 from buffer.redis_ring import RedisRing
+from reval import registry
 from reval.config import load_config
 from reval.policy import load_policy
 from reval.registry import worker_key
@@ -366,3 +367,52 @@ def test_math_worker_grades_in_the_process_pool(tmp_path, redis_url, redis_prefi
     assert r.get_sample_value("reval_verifier_answers_total") >= 26
     assert r.get_sample_value("reval_rollout_verify_seconds_count") == 1
     assert len(ring_of(cfg).items()) == 24
+
+
+def test_oneshot_calibration_goes_from_the_learner_to_the_workers(
+    tmp_path, redis_url, redis_prefix
+):
+    """The learner calibrates the one-shot task on the initial policy and shares it; a worker's
+    verifier accepts exactly the learner's codes (not its own uncalibrated guess)."""
+    from types import SimpleNamespace
+
+    from learner.service import LearnerService
+    from rollout.tasks import OneShotTask
+
+    cfg = worker_cfg(
+        tmp_path, redis_url, redis_prefix, "task.kind=oneshot", "task.oneshot_base_success=0.4",
+        "rollout.worker_prompts=1",
+    )  # fmt: skip
+    client = redis.Redis.from_url(redis_url)
+    policy = load_policy(cfg.model, cfg.seed)
+    fake_learner = SimpleNamespace(cfg=cfg, client=client)
+    LearnerService._share_task_setup(fake_learner, policy, resume=False)
+    expected = OneShotTask(base_success=0.4, seed=cfg.seed)
+    p = expected.calibrate(policy)
+    shared = json.loads(client.get(registry.task_key(redis_prefix, "w")))
+    assert sorted(shared["accepted"]) == sorted(expected.verifier.accepted)
+    assert abs(shared["base_success"] - p) < 1e-9
+    # A resumed learner keeps what the workers use.
+    client.set(registry.task_key(redis_prefix, "w"), json.dumps({**shared, "accepted": ["07"]}))
+    LearnerService._share_task_setup(fake_learner, policy, resume=True)
+    assert json.loads(client.get(registry.task_key(redis_prefix, "w")))["accepted"] == ["07"]
+    client.set(registry.task_key(redis_prefix, "w"), json.dumps(shared))
+
+    publish(cfg, 0)
+    worker = RolloutWorker(cfg, "w1shot")
+    uncalibrated = set(worker.task.verifier.accepted)
+    stats = worker.run(max_batches=1)
+    assert stats.batches == 1
+    assert set(worker.task.verifier.accepted) == set(shared["accepted"]) != uncalibrated
+
+
+def test_worker_refuses_a_bad_task_setup(tmp_path, redis_url, redis_prefix):
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix, "task.kind=oneshot")
+    client = redis.Redis.from_url(redis_url)
+    client.set(
+        registry.task_key(redis_prefix, "w"), json.dumps({"kind": "oneshot", "accepted": ["x"]})
+    )
+    publish(cfg, 0)
+    worker = RolloutWorker(cfg, "wbad")
+    with pytest.raises(ValueError, match="task setup cannot be used"):
+        worker.run(max_batches=1)

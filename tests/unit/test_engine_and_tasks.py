@@ -149,3 +149,23 @@ def test_math_task_rows_templates_and_boxed_grading(tmp_path):
     assert last_boxed("\\boxed{unclosed") is None
     with pytest.raises(ValueError, match=r"needs task\.dataset"):
         build_task(TaskConfig(kind="math"))
+
+
+def test_task_setup_round_trip_and_refusals():
+    from rollout.tasks import AdditionTask, OneShotTask, apply_task_setup, task_setup
+
+    learner_side = OneShotTask(base_success=0.4, seed=3)
+    assert task_setup(learner_side) is None  # not calibrated: nothing to share
+    learner_side.verifier = type(learner_side.verifier)(["01", "02"])
+    learner_side.achieved_base_success = 0.41
+    setup = task_setup(learner_side)
+    assert setup == {"kind": "oneshot", "accepted": ["01", "02"], "base_success": 0.41}
+    worker_side = OneShotTask(base_success=0.4, seed=3)
+    apply_task_setup(worker_side, setup)
+    assert worker_side.verifier.accepted == {"01", "02"}
+    assert worker_side.achieved_base_success == 0.41
+    with pytest.raises(ValueError, match="does not fit"):
+        apply_task_setup(AdditionTask(), setup)
+    for bad in ([], ["100"], "01", None):
+        with pytest.raises(ValueError, match="accepted codes"):
+            apply_task_setup(worker_side, {"kind": "oneshot", "accepted": bad})
