@@ -10,11 +10,13 @@ rank 0, written and announced to the rollout workers (``reval/weight_sync.py``).
 torch distributed checkpoint every ``learner.checkpoint_every`` updates and on SIGTERM;
 ``--resume`` continues with the same step, policy version, reference and optimizer state (the
 buffer is in Redis: nothing generated is lost). A consolidated Hugging Face checkpoint is
-exported at the end (and on demand with ``--export``).
+exported at the end, on SIGUSR1 while it runs (``run_dir/exports/step-N``), and from the
+latest checkpoint with ``reval learner --export``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as dt
 import json
@@ -55,6 +57,7 @@ from buffer.records import Trajectory
 from learner.trainer import Learner
 from reval import registry
 from reval.config import RunConfig, dump_config
+from reval.control import HPARAMS, RunControl
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import load_policy
 from reval.weight_sync import WeightStore
@@ -89,6 +92,11 @@ class LearnerMetrics:
             f"{p}batch_reward_mean", "Mean raw reward of the last batch", registry=r
         )
         self.workers = Gauge(f"{p}workers_alive", "Rollout workers registered", registry=r)
+        self.hparam = Gauge(
+            f"{p}hparam", "Live hyperparameters in force (changed over the run's control)",
+            ["name"], registry=r,
+        )  # fmt: skip
+        self.paused = Gauge(f"{p}paused", "1 while the run is paused", registry=r)
 
 
 def _shard(model: nn.Module, mesh: Any, reshard_root: bool = False) -> nn.Module:
@@ -130,6 +138,9 @@ class LearnerService:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.metrics = LearnerMetrics()
         self.stop = threading.Event()
+        self.export_now = threading.Event()
+        """Set (SIGUSR1, ``reval launch --export``): export an HF checkpoint before the next
+        update, into ``run_dir/exports/step-N``."""
         self.state = LearnerState()
         self.last_staleness = 0.0
         bc = cfg.buffer
@@ -199,6 +210,24 @@ class LearnerService:
             log.info("broadcast hub (%s) on port %d", hub_backend, self.hub.port)
         self.broadcast_to = 0
         self.saved_step = -1
+        self.control = RunControl(self.client, bc.key_prefix, cfg.name)
+        self.seen = {"checkpoint": 0, "export": 0}
+        if self.rank == 0:  # requests made before this learner started are not replayed
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                st = self.control.read()
+                self.seen = {"checkpoint": st.checkpoint, "export": st.export}
+                if st.phase == "stopping":  # a stop of an earlier start: this one runs
+                    self.client.hset(self.control.control, "phase", "running")
+                self.control.record("learner_started", {"resume": resume})
+        self.paused = False
+        self.hparams: dict[str, Any] = {
+            "beta": cfg.algo.beta,
+            "lr": cfg.learner.lr,
+            "samples_per_insert": bc.samples_per_insert,
+            "ref_reset_steps": cfg.learner.ref_reset_steps,
+            "max_staleness": bc.max_staleness,
+        }
+        self.reset_every = cfg.learner.ref_reset_steps * cfg.learner.updates_per_round
         if resume:
             self.load_checkpoint()
 
@@ -273,8 +302,66 @@ class LearnerService:
         sd = get_model_state_dict(self.model, options=opts)
         return sd if self.rank == 0 else {}
 
+    # -- live control -------------------------------------------------------------------------
+
+    def _control(self) -> dict[str, Any]:
+        """Rank 0 reads the run's control keys (``reval/control.py``) and every rank gets the
+        same decisions: stop, pause, a checkpoint or an export now, hyperparameters to apply
+        before this step (each applied change is recorded in the run's events with the step)."""
+        todo: dict[str, Any] = {"stop": False, "pause": False, "checkpoint": False,
+                                "export": False, "hparams": {}}  # fmt: skip
+        if self.rank == 0:
+            try:
+                st = self.control.read()
+            except (redis.ConnectionError, redis.TimeoutError):
+                st = None  # Redis away: carry on as before; the buffer retries on its own
+            if st is not None:
+                todo["stop"] = st.phase == "stopping"
+                todo["pause"] = st.phase == "paused"
+                todo["checkpoint"] = st.checkpoint > self.seen["checkpoint"]
+                todo["export"] = st.export > self.seen["export"]
+                self.seen["checkpoint"], self.seen["export"] = st.checkpoint, st.export
+                todo["hparams"] = {
+                    k: v for k, v in st.hparams.items()
+                    if HPARAMS[k][3] == "learner" and self.hparams.get(k) != v
+                }  # fmt: skip
+                if todo["pause"] != self.paused:
+                    self.control.record("paused" if todo["pause"] else "resumed",
+                                        step=self.state.step)  # fmt: skip
+        if self.world > 1:
+            box = [todo]
+            dist.broadcast_object_list(box, src=0)
+            todo = box[0]
+        self.paused = bool(todo["pause"])
+        if todo["hparams"]:
+            self._apply_hparams(todo["hparams"])
+        return todo
+
+    def _apply_hparams(self, values: dict[str, Any]) -> None:
+        for name, value in values.items():
+            if name == "beta":
+                self.learner.algo.beta = float(value)
+            elif name == "lr":
+                for group in self.learner.optimizer.param_groups:
+                    group["lr"] = float(value)
+            elif name == "ref_reset_steps":
+                self.reset_every = int(value) * self.cfg.learner.updates_per_round
+            elif name == "samples_per_insert":
+                self.ring.samples_per_insert = float(value)
+            elif name == "max_staleness":
+                self.ring.max_staleness = None if int(value) < 0 else int(value)
+            self.hparams[name] = value
+            self.metrics.hparam.labels(name=name).set(float(value))
+        if self.rank == 0:
+            log.info("step %d: applied %s", self.state.step, values)
+            self.control.record("hparams_applied", values, step=self.state.step)
+
+    def export_path(self) -> Path:
+        return self.run_dir / "exports" / f"step-{self.state.step:08d}"
+
     def export_hf(self, path: Path) -> Path | None:
-        """A consolidated Hugging Face checkpoint (safetensors + config + tokenizer)."""
+        """A consolidated Hugging Face checkpoint (safetensors + config + tokenizer); every
+        rank calls it (the weights are gathered), rank 0 writes."""
         sd = self.full_state()
         if self.rank != 0:
             dist.barrier()
@@ -285,6 +372,7 @@ class LearnerService:
         model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         dist.barrier()
+        log.info("exported a Hugging Face checkpoint to %s", path)
         return path
 
     def publish(self) -> None:
@@ -339,7 +427,7 @@ class LearnerService:
     def run(self) -> LearnerState:
         cfg = self.cfg
         total = cfg.learner.max_steps or cfg.learner.rounds * cfg.learner.updates_per_round
-        reset_every = cfg.learner.ref_reset_steps * cfg.learner.updates_per_round
+        self.reset_every = cfg.learner.ref_reset_steps * cfg.learner.updates_per_round
         if self.rank == 0:
             dump_config(cfg, self.run_dir / "config.json")
         self.publish()  # the workers wait for these before they generate
@@ -352,11 +440,21 @@ class LearnerService:
         waited_since = 0.0
         try:
             while self.state.updates < total:
-                stop = torch.tensor([1.0 if self.stop.is_set() else 0.0])
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-                if stop.item():
+                flags = torch.tensor([float(self.stop.is_set()), float(self.export_now.is_set())])
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any rank's request counts
+                todo = self._control()  # the run's control keys, as rank 0 read them
+                if flags[1].item() or todo["export"]:
+                    self.export_now.clear()
+                    self.export_hf(self.export_path())
+                if todo["checkpoint"]:
+                    self.save_checkpoint()
+                if flags[0].item() or todo["stop"]:
                     log.info("stopping: checkpoint at step %d", self.state.step)
                     break
+                if todo["pause"]:
+                    self._status("paused")
+                    time.sleep(0.2)
+                    continue
                 got, wait = self._next_batch(prefetch)
                 self.metrics.wait_data.inc(max(wait, 0.0))
                 if not got:
@@ -382,7 +480,7 @@ class LearnerService:
                 self.state.step = self.learner.step
                 upd_s = time.perf_counter() - t0
                 self.metrics.update_s.inc(upd_s)
-                if reset_every and self.state.updates % reset_every == 0:
+                if self.reset_every and self.state.updates % self.reset_every == 0:
                     self.learner.reset_reference()
                     self.state.ref_resets += 1
                 if self.state.updates % cfg.sync.every == 0:
@@ -399,6 +497,7 @@ class LearnerService:
             self.save_checkpoint()
         if self.state.updates >= total:
             self.export_hf(self.run_dir / "final")
+        self._status("done" if self.state.updates >= total else "stopped")
         return self.state
 
     def _log(
@@ -439,17 +538,43 @@ class LearnerService:
             "elapsed_s": elapsed,
             "workers": alive,
             "broadcast_to": self.broadcast_to,
+            "beta": self.learner.algo.beta,
+            "lr": self.learner.optimizer.param_groups[0]["lr"],
         }
         if self.writer is not None:
             self.writer.write(record)
+        self._status("paused" if self.paused else "running", record)
+
+    def _status(self, phase: str, last: dict[str, Any] | None = None) -> None:
+        """The run's status hash (rank 0): what ``GET /v1/runs/{name}`` shows."""
+        if self.rank != 0:
+            return
+        self.metrics.paused.set(1 if phase == "paused" else 0)
+        status: dict[str, Any] = {
+            "phase": phase,
+            "step": self.state.step,
+            "updates": self.state.updates,
+            "policy_version": self.state.step,
+            "hparams": {k: v for k, v in self.hparams.items() if v is not None},
+            "checkpoints": sorted(p.name for p in self.ckpt_dir.glob("step-*"))[-5:],
+        }
+        if last is not None:
+            status["last"] = last
+        try:
+            self.control.publish_status(status)
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            log.warning("could not publish the run status: %s", err)
 
 
-def _rank_main(rank: int, world: int, port: int, cfg_json: str, resume: bool, out: str) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, cfg_json: str, resume: bool, out: str, export: bool
+) -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # (its default ends the process) until set
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
     cfg = RunConfig.model_validate_json(cfg_json)
-    run_rank(cfg, resume, out)
+    run_rank(cfg, resume, out, export_only=export)
 
 
 def run_rank(
@@ -458,6 +583,7 @@ def run_rank(
     out: str | None,
     on_service: Callable[[LearnerService], None] | None = None,
     handle_signals: bool = True,
+    export_only: bool = False,
 ) -> LearnerState:
     """One rank: join the process group, run, leave. ``on_service`` gets the service before it
     runs (a Ray actor keeps it to stop it); ``handle_signals``: SIGTERM/SIGINT checkpoint and
@@ -482,9 +608,20 @@ def run_rank(
             log.info("rank %d: signal %d: checkpoint and stop", service.rank, signum)
             service.stop.set()
 
+        if export_only:  # the latest checkpoint as a Hugging Face checkpoint, no training
+            path = service.export_hf(service.export_path())
+            if service.rank == 0 and out:
+                Path(out).write_text(json.dumps({**service.state.__dict__, "export": str(path)}))
+            return service.state
+
+        def on_export(signum: int, _frame: object) -> None:
+            log.info("rank %d: signal %d: export before the next update", service.rank, signum)
+            service.export_now.set()
+
         if handle_signals:
             signal.signal(signal.SIGTERM, on_signal)
             signal.signal(signal.SIGINT, on_signal)
+            signal.signal(signal.SIGUSR1, on_export)
         if on_service is not None:
             on_service(service)
         if service.rank == 0 and cfg.metrics.prometheus_port is not None:
@@ -499,14 +636,22 @@ def run_rank(
         dist.destroy_process_group()
 
 
-def main(cfg: RunConfig, resume: bool = False, nproc: int | None = None) -> int:
+def main(
+    cfg: RunConfig, resume: bool = False, nproc: int | None = None, export: bool = False
+) -> int:
     """Under torchrun (RANK set): this process is one rank. Otherwise spawn ``nproc`` ranks
-    (default ``learner.world_size``) on this machine."""
+    (default ``learner.world_size``) on this machine. ``export``: write the latest checkpoint
+    as a Hugging Face checkpoint (``run_dir/exports/step-N``) and stop; a running learner
+    exports on SIGUSR1 instead."""
     if cfg.buffer.backend != "redis":
         raise ValueError("the learner service needs buffer.backend=redis (the replay service)")
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    if export:
+        resume = True
+        if not (cfg.run_dir / "checkpoints" / "latest").is_file():
+            raise ValueError(f"--export: no checkpoint under {cfg.run_dir / 'checkpoints'}")
     if "RANK" in os.environ:
-        state = run_rank(cfg, resume, None)
+        state = run_rank(cfg, resume, None, export_only=export)
         print(json.dumps(state.__dict__), flush=True)
         return 0
     world = nproc or cfg.learner.world_size
@@ -517,7 +662,9 @@ def main(cfg: RunConfig, resume: bool = False, nproc: int | None = None) -> int:
     # Children ignore SIGINT/SIGTERM until they install their handlers; the parent forwards.
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, cfg.model_dump_json(), resume, out))
+        ctx.Process(
+            target=_rank_main, args=(r, world, port, cfg.model_dump_json(), resume, out, export)
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -530,6 +677,7 @@ def main(cfg: RunConfig, resume: bool = False, nproc: int | None = None) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGUSR1, forward)
     for p in procs:
         p.join()
     codes = [p.exitcode for p in procs]

@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(le, "override a field (repeatable)")
     le.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     le.add_argument("--nproc", type=int, help="ranks to spawn (default learner.world_size)")
+    le.add_argument(
+        "--export",
+        action="store_true",
+        help="export the latest checkpoint as a Hugging Face checkpoint and stop "
+        "(a running learner exports on SIGUSR1)",
+    )
     r = sub.add_parser("rollout", help="run one rollout worker (generate, verify, push)")
     _config_args(
         r, "override a field, e.g. --set buffer.redis_url=redis://host:6379/0 (repeatable)"
@@ -59,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--remove", type=int, default=0, metavar="N", help="drain N workers")
     la.add_argument("--status", action="store_true", help="print the launched run's status")
     la.add_argument("--stop", action="store_true", help="stop the launched run (checkpoint)")
+    la.add_argument(
+        "--export", action="store_true", help="the launched run's learner exports an HF checkpoint"
+    )
     return p
 
 
@@ -73,9 +82,11 @@ def _launch(cfg: Any, args: argparse.Namespace) -> int:
         return 2
     from services import launch
 
-    if args.add or args.remove or args.status or args.stop:
+    if args.add or args.remove or args.status or args.stop or args.export:
         try:
-            status = launch.control(cfg, add=args.add, remove=args.remove, stop=args.stop)
+            status = launch.control(
+                cfg, add=args.add, remove=args.remove, stop=args.stop, export=args.export
+            )
         except (LookupError, ConnectionError) as err:
             print(f"reval launch: {err}", file=sys.stderr)
             return 1
@@ -100,7 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from learner.service import main as learner_main
 
-        return learner_main(cfg, resume=args.resume, nproc=args.nproc)
+        try:
+            return learner_main(cfg, resume=args.resume, nproc=args.nproc, export=args.export)
+        except ValueError as err:
+            print(f"reval learner: {err}", file=sys.stderr)
+            return 2
     if args.command == "launch":
         return _launch(cfg, args)
     if args.command == "rollout":

@@ -66,9 +66,9 @@ class Mailbox:
         self.status: dict[str, Any] = {"state": "starting"}
 
     def request(self, kind: str, n: int = 0) -> bool:
-        if kind not in ("add", "remove", "stop"):
-            raise ValueError(f"unknown request {kind!r} (add, remove, stop)")
-        if kind != "stop" and n < 1:
+        if kind not in ("add", "remove", "stop", "export"):
+            raise ValueError(f"unknown request {kind!r} (add, remove, stop, export)")
+        if kind in ("add", "remove") and n < 1:
             raise ValueError(f"{kind} needs a count >= 1, got {n}")
         self.requests.append((kind, n))
         return True
@@ -120,6 +120,11 @@ class LearnerRank:
 
         state = run_rank(cfg, resume, None, on_service=keep, handle_signals=False)
         return dict(state.__dict__)
+
+    def export(self) -> None:
+        """Export an HF checkpoint before the next update (``run_dir/exports/step-N``)."""
+        if self.service is not None:
+            self.service.export_now.set()
 
     def stop(self) -> None:
         """Checkpoint and stop after the current update (every rank agrees through rank 0)."""
@@ -220,6 +225,15 @@ class Launch:
         self.dead_workers = 0
         self.stop_requested = False
         self.state = "starting"
+        import redis
+
+        from reval.control import RunControl
+
+        self.control = RunControl(
+            redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=5),
+            cfg.buffer.key_prefix,
+            cfg.name,
+        )
 
     # -- learner --------------------------------------------------------------------------------
 
@@ -333,8 +347,9 @@ class Launch:
             except Exception as err:
                 self.dead_workers += 1
                 log.error("worker %s died: %s", w.worker_id, str(err).splitlines()[0])
-                if not w.stopping and self.cfg.launch.replace_dead_workers:
-                    self.add_workers(1)
+                if not w.stopping and not self.cfg.launch.replace_dead_workers:
+                    self.control.set_workers(max(0, self._desired() - 1))
+                # (otherwise the desired count stays and _follow_control starts a new one)
             self.ray.kill(w.actor, no_restart=True)
 
     def _worker_pids(self) -> None:
@@ -366,12 +381,39 @@ class Launch:
 
     def _handle_requests(self) -> None:
         for kind, n in self.ray.get(self.mailbox.take.remote()):
-            if kind == "add":
-                self.add_workers(n)
-            elif kind == "remove":
-                self.remove_workers(n)
+            if kind in ("add", "remove"):  # through the control keys: one desired count
+                desired = self._desired()
+                self.control.set_workers(max(0, desired + (n if kind == "add" else -n)))
             elif kind == "stop":
                 self.request_stop()
+            elif kind == "export":
+                log.info("export requested: before the learner's next update")
+                self.ranks[0].export.remote()
+
+    def _desired(self) -> int:
+        try:
+            got = self.control.read().workers
+        except Exception:
+            got = None
+        return got if got is not None else len([w for w in self.workers.values() if not w.stopping])
+
+    def _follow_control(self) -> None:
+        """The run's control keys (the REST API writes them): the desired number of workers
+        and a stop."""
+        try:
+            st = self.control.read()
+        except Exception as err:  # Redis away: carry on, the buffer clients retry
+            log.debug("control unreadable: %s", err)
+            return
+        if st.phase == "stopping":
+            self.request_stop()
+            return
+        if st.workers is not None and not self.stop_requested:
+            live = [w for w in self.workers.values() if not w.stopping]
+            if st.workers > len(live):
+                self.add_workers(st.workers - len(live))
+            elif st.workers < len(live):
+                self.remove_workers(len(live) - st.workers)
 
     def request_stop(self) -> None:
         if not self.stop_requested:
@@ -387,7 +429,10 @@ class Launch:
         if resume and not self._ckpt_exists():
             raise FileNotFoundError(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}")
         self.start_learner(resume)
-        self.add_workers(cfg.launch.workers)
+        # A launch means to run: a stop left by an earlier launch of this run is over.
+        self.control.client.hset(self.control.control, "phase", "running")
+        self.control.set_workers(cfg.launch.workers)  # _follow_control starts them
+        self._follow_control()
         self.state = "running"
         ok = False
         try:
@@ -397,6 +442,7 @@ class Launch:
                     ok = True
                     break
                 self._handle_requests()
+                self._follow_control()
                 self._check_workers()
                 self._worker_pids()
                 self.mailbox.post.remote(self.status())
@@ -457,7 +503,9 @@ def launch(cfg: RunConfig, resume: bool = False) -> int:
     return 0
 
 
-def control(cfg: RunConfig, add: int = 0, remove: int = 0, stop: bool = False) -> dict[str, Any]:
+def control(
+    cfg: RunConfig, add: int = 0, remove: int = 0, stop: bool = False, export: bool = False
+) -> dict[str, Any]:
     """From another process: send requests to a launched run, return its status."""
     import ray
 
@@ -474,6 +522,8 @@ def control(cfg: RunConfig, add: int = 0, remove: int = 0, stop: bool = False) -
         ray.get(box.request.remote("add", add))
     if remove:
         ray.get(box.request.remote("remove", remove))
+    if export:
+        ray.get(box.request.remote("export"))
     if stop:
         ray.get(box.request.remote("stop"))
     return dict(ray.get(box.get_status.remote()))

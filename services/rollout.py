@@ -10,6 +10,7 @@ restart, and on SIGTERM/SIGINT finishes the batch in hand, pushes it, deregister
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from buffer.metrics import BufferMetrics
 from buffer.redis_ring import RedisRing
 from reval import registry
 from reval.config import RunConfig
+from reval.control import RunControl
 from reval.metrics import PREFIX
 from reval.policy import load_policy
 from reval.weight_sync import WeightStore
@@ -149,6 +151,8 @@ class RolloutWorker:
         )
         weights_dir = cfg.sync.weights_dir or str(cfg.run_dir / "weights")
         self.weights = WeightStore(self.client, b.key_prefix, cfg.name, weights_dir)
+        self.control = RunControl(self.client, b.key_prefix, cfg.name)
+        self.paused = False
         self._heartbeat: threading.Thread | None = None
         self._loaded: tuple[int, float] | None = None
         self.receiver: Any = None
@@ -192,6 +196,28 @@ class RolloutWorker:
                                 self.worker_id)  # fmt: skip
         except (redis.ConnectionError, redis.TimeoutError) as err:
             log.warning("could not deregister (Redis unreachable): %s", err)
+
+    def _follow_control(self) -> bool:
+        """The run's control keys between batches: pause, stop (drain), the sampling
+        temperature. False when the run is stopping."""
+        try:
+            st = self.control.read()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return True  # Redis away: keep generating; the ring spools
+        if st.phase == "stopping":
+            log.info("worker %s: the run is stopping: draining", self.worker_id)
+            return False
+        if (st.phase == "paused") != self.paused:
+            self.paused = st.phase == "paused"
+            self._register("paused" if self.paused else "running")
+            log.info("worker %s: %s", self.worker_id, "paused" if self.paused else "resumed")
+        temperature = st.hparams.get("temperature")
+        if temperature is not None and temperature != self.params.temperature:
+            self.params = dataclasses.replace(self.params, temperature=float(temperature))
+            detail = {"temperature": temperature, "worker": self.worker_id}
+            self.control.record("temperature_applied", detail, step=self.engine.policy_version)
+            log.info("worker %s: sampling temperature %g", self.worker_id, temperature)
+        return True
 
     def _task_setup(self, timeout_s: float = 60.0) -> None:
         """Take the learner's calibration of the task (the one-shot task); the learner shares
@@ -333,6 +359,11 @@ class RolloutWorker:
             while not self.stop.is_set():
                 if max_batches is not None and self.stats.batches >= max_batches:
                     break
+                if not self._follow_control():
+                    break
+                if self.paused:
+                    self.stop.wait(0.2)
+                    continue
                 if self._load():
                     self._register("running")
                 t0 = time.monotonic()

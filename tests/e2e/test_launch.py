@@ -150,6 +150,13 @@ def test_launch_on_local_ray(tmp_path, redis_url, redis_prefix):
             driver,
             "the drained worker to leave",
         )
+        assert cli(sets, "--export").returncode == 0  # an HF checkpoint on demand
+        wait_for(
+            lambda: any((run_dir / "exports").glob("step-*/config.json")),
+            120,
+            driver,
+            "the export",
+        )
         inserted = ring.stats().inserted
         assert cli(sets, "--stop").returncode == 0
         out, _ = driver.communicate(timeout=180)

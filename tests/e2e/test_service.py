@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from buffer.redis_ring import RedisRing
 from reval.metrics import read_jsonl
@@ -104,6 +105,10 @@ def test_service_end_to_end(tmp_path, redis_url, redis_prefix, broadcast):
     procs = [learner, *workers.values()]
     try:
         wait_until(lambda: version(store) >= 8, 240, procs)
+        if not broadcast:  # an export on demand while the learner runs (SIGUSR1)
+            learner.send_signal(signal.SIGUSR1)
+            exports = tmp_path / "e2e" / "exports"
+            wait_until(lambda: any(exports.glob("step-*/config.json")), 120, procs)
         os.killpg(workers["w1"].pid, signal.SIGKILL)  # a worker dies; the run goes on
         workers["w1"].wait(10)
         joined_at = version(store)
@@ -148,6 +153,21 @@ def test_service_end_to_end(tmp_path, redis_url, redis_prefix, broadcast):
         assert max(r["broadcast_to"] for r in rows) >= 2
     final = tmp_path / "e2e" / "final"
     assert (final / "config.json").is_file() and any(final.glob("*.safetensors"))
+    if not broadcast:
+        # The latest checkpoint as a Hugging Face checkpoint, on demand, without training.
+        export = start("learner", sets, "--nproc", "2", "--export")
+        out, _ = export.communicate(timeout=300)
+        assert export.returncode == 0, logs(tmp_path, "learner")
+        done = json.loads(out.strip().splitlines()[-1])
+        assert done["step"] == 60 and done["export"].endswith("exports/step-00000060")
+        from transformers import AutoModelForCausalLM
+
+        exported = AutoModelForCausalLM.from_pretrained(done["export"])
+        final_model = AutoModelForCausalLM.from_pretrained(final)
+        for (n, a), (_, b) in zip(
+            exported.state_dict().items(), final_model.state_dict().items(), strict=True
+        ):
+            assert torch.equal(a, b), n  # the same weights as the end of the run
 
 
 @pytest.mark.slow
