@@ -456,14 +456,24 @@ def load_config(
     overrides: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> RunConfig:
-    """Load TOML ``path`` (default: the demo preset), then env overrides, then ``--set`` ones."""
+    """Load TOML ``path`` (default: the demo preset; a ``.json`` file is read as JSON, as the
+    REST API writes a run's config), then env overrides, then ``--set`` ones."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    try:
-        data: dict[str, Any] = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    data: dict[str, Any]
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a config is a JSON object")
+    else:
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML: {err}") from None
     data = _merge(data, env_overrides(environ))
     data = _merge(data, parse_overrides(overrides))
     return build_config(data)
@@ -472,3 +482,31 @@ def load_config(
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
     """Write the resolved config (every field, defaults included) as JSON."""
     Path(path).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
+
+
+class ApiConfig(BaseModel):
+    """``reval serve``: the REST control plane (not part of a run's config: it serves many)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Listen address; loopback unless set (``0.0.0.0`` in a container)."""
+    port: int = Field(8080, ge=0, le=65535)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """The replay service's Redis: the API keeps its state there (it may restart any time).
+    Password and TLS go in the URL (``rediss://:password@host:6380/0``)."""
+    key_prefix: str = "reval:"
+    """Key prefix of the runs this API manages (their ``buffer.key_prefix``)."""
+    output_dir: str = "runs"
+    """Run directories of the runs it starts."""
+    token_env: str = "REVAL_API_TOKEN"
+    """Environment variable holding the bearer token of mutating requests."""
+    dev: bool = False
+    """Development mode: allows an empty or default token (never in production)."""
+    auth_reads: bool = False
+    """Also require the token on read endpoints."""
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    """Largest request body accepted (413 beyond)."""
+    ray_address: str | None = None
+    """Where launched runs go (``RAY_ADDRESS`` of their ``reval launch``); None: a local Ray
+    per run."""

@@ -68,7 +68,45 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument(
         "--export", action="store_true", help="the launched run's learner exports an HF checkpoint"
     )
+    sv = sub.add_parser("serve", help="the REST control plane (FastAPI under uvicorn)")
+    sv.add_argument("--host", help="listen address (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, help="port (default 8080)")
+    sv.add_argument("--redis-url", help="the replay service's Redis (where the API keeps state)")
+    sv.add_argument("--key-prefix", help="key prefix of the runs it manages (default reval:)")
+    sv.add_argument("--output-dir", help="run directories of the runs it starts")
+    sv.add_argument("--ray-address", help="RAY_ADDRESS for the runs it launches")
+    sv.add_argument("--auth-reads", action="store_true", help="reads need the token too")
+    sv.add_argument("--dev", action="store_true", help="allow an empty/default token (dev only)")
+    from services.client import add_parser as add_runs
+
+    add_runs(sub)
     return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from reval.config import ApiConfig
+    from services.api import serve
+
+    fields = {
+        "host": args.host,
+        "port": args.port,
+        "redis_url": args.redis_url,
+        "key_prefix": args.key_prefix,
+        "output_dir": args.output_dir,
+        "ray_address": args.ray_address,
+    }
+    try:
+        cfg = ApiConfig(
+            **{k: v for k, v in fields.items() if v is not None},
+            dev=args.dev,
+            auth_reads=args.auth_reads,
+        )
+    except ValidationError as err:
+        print(f"reval serve: {err}", file=sys.stderr)
+        return 2
+    return serve(cfg)
 
 
 def _launch(cfg: Any, args: argparse.Namespace) -> int:
@@ -98,6 +136,12 @@ def _launch(cfg: Any, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "runs":
+        from services.client import run as runs_main
+
+        return runs_main(args)
     algo = getattr(args, "algo", None)
     overrides = list(ALGO_OVERRIDES.get(algo, [])) + list(args.overrides)
     try:

@@ -1,0 +1,506 @@
+"""The REST control plane: ``reval serve`` runs this FastAPI app under uvicorn (``serve``); in a
+Ray cluster ``services/api_serve.py`` mounts the same app object as a Ray Serve deployment.
+
+Everything the API knows lives in Redis (the runs it manages in ``{prefix}api:runs``, each run's
+control, status and events keys from ``reval/control.py``, the replay ring's counters, the worker
+registry), so the API restarts without losing anything while runs go on. A run is started as a
+``reval launch`` process (its own session, so it outlives an API restart); every later action is
+a write to the run's control keys, which the learner, the workers and the launch driver follow
+between steps.
+
+Security: mutating endpoints need ``Authorization: Bearer <token>`` (the token from the
+environment variable ``api.token_env``, compared in constant time); ``serve`` refuses to start
+with an empty or default token unless ``dev``; reads need it too with ``auth_reads``. Bodies
+beyond ``max_body_bytes`` get 413. The listen address is loopback unless configured.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import redis
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.middleware.base import BaseHTTPMiddleware
+
+from reval import registry
+from reval.config import ApiConfig, ConfigError, build_config
+from reval.control import RunControl
+
+log = logging.getLogger("reval.api")
+
+API_VERSION = "v1"
+DEFAULT_TOKENS = {"", "changeme", "change-me", "token", "secret", "reval"}
+FINISHED = ("stopped", "done", "failed")
+
+_bearer = HTTPBearer(auto_error=False)
+Creds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+"""The bearer credentials (module level: FastAPI resolves annotations by name)."""
+
+
+# -- request and response models -------------------------------------------------------------
+
+
+class CreateRun(BaseModel):
+    """A run from a config: the same tree as a TOML file (``reval/config.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The run's config as a JSON object (sections and fields as in the TOML presets)."""
+    workers: int | None = Field(None, ge=0, le=4096)
+    """Rollout workers to start (default: ``launch.workers`` of the config)."""
+    start: bool = True
+    """Start it now (``reval launch``); False only registers it."""
+
+
+class Scale(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    workers: int = Field(..., ge=0, le=4096)
+
+
+class HParams(BaseModel):
+    """Live hyperparameters; the learner applies them at its next step (workers: temperature
+    between batches). Every field optional; at least one."""
+
+    model_config = ConfigDict(extra="forbid")
+    beta: float | None = Field(None, gt=0, le=1e6)
+    lr: float | None = Field(None, gt=0, le=10)
+    samples_per_insert: float | None = Field(None, gt=0, le=1e6)
+    """K: the sample-to-insert ratio of the replay limiter."""
+    ref_reset_steps: int | None = Field(None, ge=0)
+    max_staleness: int | None = Field(None, ge=-1)
+    """-1 turns the staleness check off."""
+    temperature: float | None = Field(None, gt=0, le=100)
+
+
+class Accepted(BaseModel):
+    run: str
+    action: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class WorkerInfo(BaseModel):
+    id: str
+    status: str | None = None
+    policy_version: int | None = None
+    trajectories: int | None = None
+    last_seen: float | None = None
+
+
+class BufferInfo(BaseModel):
+    size: int
+    capacity: int
+    inserted: int
+    sampled: int
+    evicted: int
+
+
+class RunInfo(BaseModel):
+    name: str
+    phase: str
+    """starting, running, paused, stopping, stopped, done, failed, or registered (not started)."""
+    created: float
+    step: int | None = None
+    policy_version: int | None = None
+    desired_workers: int | None = None
+    workers: list[WorkerInfo] = Field(default_factory=list)
+    buffer: BufferInfo | None = None
+    hparams: dict[str, Any] = Field(default_factory=dict)
+    last_metrics: dict[str, Any] | None = None
+    checkpoints: list[str] = Field(default_factory=list)
+    pid: int | None = None
+
+
+class Event(BaseModel):
+    id: str
+    time: float
+    kind: str
+    step: int | None = None
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class Health(BaseModel):
+    ok: bool
+    detail: str = ""
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+class _BodyLimit(BaseHTTPMiddleware):
+    def __init__(self, app: Any, limit: int) -> None:
+        super().__init__(app)
+        self.limit = limit
+
+    async def dispatch(self, request: Request, call_next: Any) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return JSONResponse({"detail": f"body over {self.limit} bytes"}, status_code=413)
+        if length is None and request.method in ("POST", "PATCH", "PUT"):
+            body = await request.body()  # chunked: read it to know its size
+            if len(body) > self.limit:
+                return JSONResponse({"detail": f"body over {self.limit} bytes"}, status_code=413)
+        return await call_next(request)
+
+
+class Store:
+    """The API's state in Redis."""
+
+    def __init__(self, cfg: ApiConfig, client: redis.Redis | None = None) -> None:
+        self.cfg = cfg
+        self.client = client or redis.Redis.from_url(cfg.redis_url, socket_timeout=10)
+        self.runs_key = f"{cfg.key_prefix}api:runs"
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        raw = self.client.hget(self.runs_key, name)
+        return None if raw is None else dict(json.loads(raw))
+
+    def put(self, name: str, entry: dict[str, Any]) -> None:
+        self.client.hset(self.runs_key, name, json.dumps(entry))
+
+    def names(self) -> list[str]:
+        return sorted(k.decode() for k in self.client.hkeys(self.runs_key))
+
+    def control(self, name: str) -> RunControl:
+        return RunControl(self.client, self.cfg.key_prefix, name)
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # A zombie (our own child that exited) is not alive either.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return True
+    return state != "Z"
+
+
+def create_app(cfg: ApiConfig | None = None, client: redis.Redis | None = None) -> FastAPI:
+    """The app; ``serve`` and the Ray Serve deployment both mount what this returns."""
+    cfg = cfg or ApiConfig()
+    store = Store(cfg, client)
+    token = os.environ.get(cfg.token_env, "")
+    metrics = CollectorRegistry()
+    requests_total = Counter(
+        "reval_api_requests", "API requests", ["method", "route", "status"], registry=metrics
+    )
+    latency = Histogram(
+        "reval_api_request_seconds", "API request latency", ["route"], registry=metrics
+    )
+    app = FastAPI(
+        title="reval control plane",
+        version=API_VERSION,
+        description="Create, watch and steer ReVal runs: pause, resume, stop, checkpoint, "
+        "export, scale rollout workers, change hyperparameters live.",
+    )
+    app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
+    app.state.store = store
+    app.state.children = {}  # pid -> Popen of runs this process started (reaped on status)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Any) -> Any:
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        requests_total.labels(request.method, path, str(response.status_code)).inc()
+        latency.labels(path).observe(time.perf_counter() - t0)
+        return response
+
+    def check(creds: HTTPAuthorizationCredentials | None) -> None:
+        if creds is None or creds.scheme.lower() != "bearer":
+            raise HTTPException(401, "bearer token required", {"WWW-Authenticate": "Bearer"})
+        if not token or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
+            raise HTTPException(403, "wrong token")
+
+    def write_auth(creds: Creds) -> None:
+        check(creds)
+
+    def read_auth(creds: Creds) -> None:
+        if cfg.auth_reads:
+            check(creds)
+
+    def entry_of(name: str) -> dict[str, Any]:
+        entry = store.get(name)
+        if entry is None:
+            raise HTTPException(404, f"no run {name!r}")
+        return entry
+
+    def info(name: str, entry: dict[str, Any]) -> RunInfo:
+        control = store.control(name)
+        status = control.read_status()
+        ctl = control.read()
+        pid = entry.get("pid")
+        child = app.state.children.get(pid)
+        if child is not None:
+            child.poll()  # reap it when it has exited
+        alive = _pid_alive(pid)
+        phase = status.get("phase", "starting" if alive else "registered")
+        if entry.get("started") and not alive and phase not in FINISHED:
+            phase = "failed"  # the launch process is gone without a final status
+        if alive and ctl.phase == "stopping" and phase not in FINISHED:
+            phase = "stopping"
+        buf = None
+        from buffer.redis_ring import run_keys
+
+        meta = store.client.hmget(run_keys(cfg.key_prefix, name).meta,
+                                  ["capacity", "head", "tail", "evicted", "sampled"])  # fmt: skip
+        if meta[0] is not None:  # (read directly: no side effect on a run not started)
+            cap, head, tail, evicted, sampled = (int(x or 0) for x in meta)
+            buf = BufferInfo(size=head - tail, capacity=cap, inserted=head, sampled=sampled,
+                             evicted=evicted)  # fmt: skip
+        workers = []
+        index = registry.workers_index(cfg.key_prefix, name)
+        for wid in sorted(m.decode() for m in store.client.zrange(index, 0, -1)):
+            raw = store.client.get(registry.worker_key(cfg.key_prefix, name, wid))
+            if raw is None:
+                continue
+            w = json.loads(raw)
+            workers.append(WorkerInfo(id=wid, status=w.get("status"),
+                                      policy_version=w.get("policy_version"),
+                                      trajectories=w.get("trajectories"),
+                                      last_seen=w.get("last_seen")))  # fmt: skip
+        return RunInfo(
+            name=name,
+            phase=phase,
+            created=entry["created"],
+            step=status.get("step"),
+            policy_version=status.get("policy_version"),
+            desired_workers=ctl.workers,
+            workers=workers,
+            buffer=buf,
+            hparams=status.get("hparams", {}),
+            last_metrics=status.get("last"),
+            checkpoints=status.get("checkpoints", []),
+            pid=pid,
+        )
+
+    def launch(name: str, entry: dict[str, Any]) -> int:
+        run_dir = Path(cfg.output_dir) / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / "config.request.json"
+        path.write_text(json.dumps(entry["config"], indent=2))
+        env = dict(os.environ)
+        if cfg.ray_address:
+            env["RAY_ADDRESS"] = cfg.ray_address
+        log_file = (run_dir / "launch.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "launch", "--config", str(path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # it outlives this API process
+        )
+        app.state.children[proc.pid] = proc
+        return proc.pid
+
+    # -- health -------------------------------------------------------------------------------
+
+    @app.get("/healthz", response_model=Health, tags=["health"])
+    def healthz() -> Health:
+        return Health(ok=True)
+
+    @app.get("/readyz", response_model=Health, tags=["health"],
+             responses={503: {"model": Health}})  # fmt: skip
+    def readyz() -> Any:
+        try:
+            store.client.ping()
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            return JSONResponse(Health(ok=False, detail=f"redis: {err}").model_dump(), 503)
+        return Health(ok=True)
+
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["health"])
+    def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics).decode(),
+                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    @app.get("/v1/runs", response_model=list[RunInfo], dependencies=[Depends(read_auth)])
+    def list_runs() -> list[RunInfo]:
+        out = []
+        for name in store.names():
+            entry = store.get(name)
+            if entry is not None:
+                out.append(info(name, entry))
+        return out
+
+    @app.post("/v1/runs", response_model=RunInfo, status_code=201,
+              dependencies=[Depends(write_auth)])  # fmt: skip
+    def create_run(body: CreateRun) -> RunInfo:
+        data = dict(body.config)
+        buffer = dict(data.get("buffer", {}))
+        # The run uses the API's replay service and key prefix: the API must see its keys.
+        for key, value in (("backend", "redis"), ("redis_url", cfg.redis_url),
+                           ("key_prefix", cfg.key_prefix)):  # fmt: skip
+            if buffer.get(key, value) != value:
+                raise HTTPException(422, [{"loc": ["body", "config", "buffer", key],
+                                           "msg": f"this API manages runs with {key}={value!r}",
+                                           "type": "value_error"}])  # fmt: skip
+            buffer[key] = value
+        data["buffer"] = buffer
+        data.setdefault("output_dir", cfg.output_dir)
+        if body.workers is not None:
+            data["launch"] = {**dict(data.get("launch", {})), "workers": body.workers}
+        try:
+            run_cfg = build_config(data)
+        except ConfigError as err:
+            raise HTTPException(422, [{"loc": ["body", "config"], "msg": str(err),
+                                       "type": "value_error"}]) from None  # fmt: skip
+        name = run_cfg.name
+        old = store.get(name)
+        if old is not None:
+            if _pid_alive(old.get("pid")):
+                raise HTTPException(409, f"run {name!r} exists and is running")
+            if info(name, old).phase not in (*FINISHED, "registered"):
+                raise HTTPException(409, f"run {name!r} exists")
+        control = store.control(name)
+        control.clear()
+        entry: dict[str, Any] = {
+            "created": time.time(),
+            "config": run_cfg.model_dump(mode="json"),
+            "pid": None,
+            "started": False,
+        }
+        control.set_workers(run_cfg.launch.workers)
+        control.record("created", {"workers": run_cfg.launch.workers})
+        if body.start:
+            entry["pid"] = launch(name, entry)
+            entry["started"] = True
+        store.put(name, entry)
+        return info(name, entry)
+
+    @app.get("/v1/runs/{name}", response_model=RunInfo, dependencies=[Depends(read_auth)],
+             responses={404: {"description": "no such run"}})  # fmt: skip
+    def get_run(name: str) -> RunInfo:
+        return info(name, entry_of(name))
+
+    def act(name: str, action: str, allowed: tuple[str, ...]) -> tuple[dict[str, Any], RunInfo]:
+        entry = entry_of(name)
+        current = info(name, entry)
+        if current.phase not in allowed:
+            raise HTTPException(409, f"cannot {action} run {name!r}: it is {current.phase}")
+        return entry, current
+
+    live = ("starting", "running", "paused")
+
+    @app.post("/v1/runs/{name}/start", response_model=Accepted, status_code=202,
+              dependencies=[Depends(write_auth)])  # fmt: skip
+    def start_run(name: str) -> Accepted:
+        entry, _ = act(name, "start", ("registered", *FINISHED))
+        store.control(name).client.hset(store.control(name).control, "phase", "running")
+        entry["pid"] = launch(name, entry)
+        entry["started"] = True
+        store.put(name, entry)
+        store.control(name).record("start")
+        return Accepted(run=name, action="start", detail={"pid": entry["pid"]})
+
+    @app.post("/v1/runs/{name}/pause", response_model=Accepted, status_code=202,
+              dependencies=[Depends(write_auth)])  # fmt: skip
+    def pause_run(name: str) -> Accepted:
+        act(name, "pause", ("starting", "running"))
+        store.control(name).set_phase("paused")
+        return Accepted(run=name, action="pause")
+
+    @app.post("/v1/runs/{name}/resume", response_model=Accepted, status_code=202,
+              dependencies=[Depends(write_auth)])  # fmt: skip
+    def resume_run(name: str) -> Accepted:
+        act(name, "resume", ("paused",))
+        store.control(name).set_phase("running")
+        return Accepted(run=name, action="resume")
+
+    @app.post("/v1/runs/{name}/stop", response_model=Accepted, status_code=202,
+              dependencies=[Depends(write_auth)])  # fmt: skip
+    def stop_run(name: str) -> Accepted:
+        act(name, "stop", live)
+        store.control(name).set_phase("stopping")
+        return Accepted(run=name, action="stop")
+
+    @app.post("/v1/runs/{name}/checkpoint", response_model=Accepted, status_code=202,
+              dependencies=[Depends(write_auth)])  # fmt: skip
+    def checkpoint_run(name: str) -> Accepted:
+        act(name, "checkpoint", live)
+        n = store.control(name).request("checkpoint")
+        return Accepted(run=name, action="checkpoint", detail={"request": n})
+
+    @app.post("/v1/runs/{name}/export", response_model=Accepted, status_code=202,
+              dependencies=[Depends(write_auth)])  # fmt: skip
+    def export_run(name: str) -> Accepted:
+        act(name, "export", live)
+        n = store.control(name).request("export")
+        return Accepted(run=name, action="export", detail={"request": n})
+
+    @app.post("/v1/runs/{name}/scale", response_model=Accepted, status_code=202,
+              dependencies=[Depends(write_auth)])  # fmt: skip
+    def scale_run(name: str, body: Scale) -> Accepted:
+        act(name, "scale", live)
+        store.control(name).set_workers(body.workers)
+        return Accepted(run=name, action="scale", detail={"workers": body.workers})
+
+    @app.patch("/v1/runs/{name}/hparams", response_model=Accepted, status_code=202,
+               dependencies=[Depends(write_auth)])  # fmt: skip
+    def patch_hparams(name: str, body: HParams) -> Accepted:
+        values = body.model_dump(exclude_none=True)
+        if not values:
+            raise HTTPException(422, [{"loc": ["body"], "msg": "no hyperparameter given",
+                                       "type": "value_error"}])  # fmt: skip
+        act(name, "change", live)
+        try:
+            typed = store.control(name).patch(values)
+        except ValueError as err:
+            raise HTTPException(422, [{"loc": ["body"], "msg": str(err),
+                                       "type": "value_error"}]) from None  # fmt: skip
+        return Accepted(run=name, action="hparams", detail=typed)
+
+    @app.get("/v1/runs/{name}/events", response_model=list[Event],
+             dependencies=[Depends(read_auth)])  # fmt: skip
+    def run_events(
+        name: str, after: str = "-", count: Annotated[int, Query(ge=1, le=10_000)] = 100
+    ) -> list[Event]:
+        entry_of(name)
+        if after != "-" and not _valid_stream_id(after):
+            raise HTTPException(422, [{"loc": ["query", "after"], "msg": "not a stream id",
+                                       "type": "value_error"}])  # fmt: skip
+        return [Event(**e) for e in store.control(name).events(count=count, after=after)]
+
+    return app
+
+
+def _valid_stream_id(s: str) -> bool:
+    ms, _, seq = s.partition("-")
+    return ms.isdigit() and (seq == "" or seq.isdigit())
+
+
+def serve(cfg: ApiConfig) -> int:
+    """``reval serve``: uvicorn on ``cfg.host:cfg.port``."""
+    import uvicorn
+
+    token = os.environ.get(cfg.token_env, "")
+    if not cfg.dev and (token.strip().lower() in DEFAULT_TOKENS or len(token) < 16):
+        print(
+            f"reval serve: set {cfg.token_env} to a secret of at least 16 characters "
+            "(or --dev for development only)",
+            file=sys.stderr,
+        )
+        return 2
+    if cfg.dev and not token:
+        log.warning("dev mode with no token: every mutating request is refused (403)")
+    app = create_app(cfg)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
+    return 0

@@ -1,0 +1,201 @@
+"""The REST API (``services/api.py``) against real Redis, through FastAPI's test client: every
+endpoint, bad bodies (422 naming the field), missing or wrong tokens (401/403), unknown runs (404),
+conflicting actions (409), oversize bodies (413), and a restart of the API losing nothing. The
+run's phases are driven here by writing its status as a learner would; the live run is in
+``tests/e2e/test_api_live.py``."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from reval.config import ApiConfig
+from reval.control import RunControl
+from services.api import create_app
+
+TOKEN = "t0ken-for-the-tests-only-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def api_cfg(tmp_path, redis_url, redis_prefix):
+    return ApiConfig(redis_url=redis_url, key_prefix=redis_prefix, output_dir=str(tmp_path))
+
+
+@pytest.fixture
+def client(api_cfg, monkeypatch):
+    monkeypatch.setenv(api_cfg.token_env, TOKEN)
+    return TestClient(create_app(api_cfg))
+
+
+def small(name: str = "r1") -> dict:
+    return {"name": name, "learner": {"max_steps": 5}, "launch": {"workers": 2}}
+
+
+def create(client, name="r1", **extra):
+    r = client.post("/v1/runs", json={"config": small(name), "start": False, **extra}, headers=AUTH)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def as_learner(api_cfg, name: str, phase: str, step: int = 3) -> None:
+    control = RunControl(redis.Redis.from_url(api_cfg.redis_url), api_cfg.key_prefix, name)
+    status = {"phase": phase, "step": step, "policy_version": step}
+    control.publish_status({**status, "hparams": {"beta": 0.1}, "checkpoints": ["step-00000002"]})
+
+
+def test_health_ready_metrics_and_openapi(client):
+    assert client.get("/healthz").json() == {"ok": True, "detail": ""}
+    assert client.get("/readyz").status_code == 200
+    spec = client.get("/openapi.json").json()
+    paths = set(spec["paths"])
+    assert {"/v1/runs", "/v1/runs/{name}", "/v1/runs/{name}/hparams",
+            "/v1/runs/{name}/scale", "/v1/runs/{name}/events"} <= paths  # fmt: skip
+    text = client.get("/metrics").text
+    assert 'reval_api_requests_total{method="GET",route="/readyz",status="200"} 1.0' in text
+
+
+def test_readyz_reports_a_missing_redis(tmp_path, monkeypatch):
+    monkeypatch.setenv("REVAL_API_TOKEN", TOKEN)
+    cfg = ApiConfig(redis_url="redis://127.0.0.1:1/0", output_dir=str(tmp_path))
+    r = TestClient(create_app(cfg)).get("/readyz")
+    assert r.status_code == 503 and r.json()["ok"] is False
+
+
+def test_create_get_list(client, api_cfg):
+    run = create(client)
+    assert run["name"] == "r1" and run["phase"] == "registered"
+    assert run["desired_workers"] == 2 and run["buffer"] is None
+    assert client.get("/v1/runs/r1").json()["name"] == "r1"
+    assert [r["name"] for r in client.get("/v1/runs").json()] == ["r1"]
+    as_learner(api_cfg, "r1", "running", step=7)
+    got = client.get("/v1/runs/r1").json()
+    assert got["phase"] == "running" and got["step"] == 7
+    assert got["hparams"] == {"beta": 0.1} and got["checkpoints"] == ["step-00000002"]
+    # The run's config was completed with the API's replay service.
+    events = client.get("/v1/runs/r1/events").json()
+    assert [e["kind"] for e in events][:2] == ["request:scale", "created"]
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"learner": {"lr": -1}}, "learner.lr"),
+        ({"learner": {"nonsense": 1}}, "learner.nonsense"),
+        ({"buffer": {"backend": "memory"}}, "backend"),
+        ({"buffer": {"capacity": 8}}, "learner.batch_size"),
+    ],
+)
+def test_bad_configs_are_422_naming_the_field(client, config, needle):
+    r = client.post("/v1/runs", json={"config": config, "start": False}, headers=AUTH)
+    assert r.status_code == 422, r.text
+    assert needle in r.text
+    assert client.get("/v1/runs").json() == []  # nothing registered
+
+
+def test_bad_bodies_are_422(client):
+    create(client)
+    for path, body in [
+        ("/v1/runs", {"config": {}, "surprise": 1}),
+        ("/v1/runs", {"config": [], "start": False}),
+        ("/v1/runs/r1/scale", {"workers": -1}),
+        ("/v1/runs/r1/scale", {"workers": "many"}),
+    ]:
+        r = client.post(path, json=body, headers=AUTH)
+        assert r.status_code == 422, (path, body, r.text)
+    for body in ({"beta": -1}, {"gamma": 1}, {}, {"ref_reset_steps": 1.5}, {"lr": "fast"}):
+        r = client.patch("/v1/runs/r1/hparams", json=body, headers=AUTH)
+        assert r.status_code == 422, (body, r.text)
+    r = client.patch("/v1/runs/r1/hparams", json={"beta": -1}, headers=AUTH)
+    assert "beta" in r.text
+    r = client.get("/v1/runs/r1/events", params={"after": "yesterday"})
+    assert r.status_code == 422
+
+
+def test_tokens(client, api_cfg, monkeypatch):
+    r = client.post("/v1/runs", json={"config": small(), "start": False})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    bad = {"Authorization": "Bearer wrong-token-wrong-token-0000"}
+    assert client.post("/v1/runs", json={"config": small()}, headers=bad).status_code == 403
+    assert (
+        client.post("/v1/runs/x/pause", headers={"Authorization": "Basic abc"}).status_code == 401
+    )
+    assert client.get("/v1/runs").status_code == 200  # reads are open by default
+    strict = TestClient(create_app(api_cfg.model_copy(update={"auth_reads": True})))
+    assert strict.get("/v1/runs").status_code == 401
+    assert strict.get("/v1/runs", headers=AUTH).status_code == 200
+    monkeypatch.setenv(api_cfg.token_env, "")
+    no_token = TestClient(create_app(api_cfg))  # dev mode without a token: writes refused
+    assert no_token.post("/v1/runs/x/pause", headers=AUTH).status_code == 403
+
+
+def test_unknown_run_is_404(client):
+    assert client.get("/v1/runs/ghost").status_code == 404
+    assert client.post("/v1/runs/ghost/pause", headers=AUTH).status_code == 404
+    assert client.patch("/v1/runs/ghost/hparams", json={"beta": 1}, headers=AUTH).status_code == 404
+    assert client.get("/v1/runs/ghost/events").status_code == 404
+
+
+def test_actions_and_conflicts(client, api_cfg):
+    create(client)
+    control = RunControl(redis.Redis.from_url(api_cfg.redis_url), api_cfg.key_prefix, "r1")
+    # Not started: nothing to pause or stop.
+    assert client.post("/v1/runs/r1/pause", headers=AUTH).status_code == 409
+    as_learner(api_cfg, "r1", "running")
+    assert client.post("/v1/runs/r1/resume", headers=AUTH).status_code == 409  # not paused
+    assert client.post("/v1/runs/r1/pause", headers=AUTH).status_code == 202
+    assert control.read().phase == "paused"
+    as_learner(api_cfg, "r1", "paused")
+    assert client.post("/v1/runs/r1/pause", headers=AUTH).status_code == 409  # already
+    assert client.post("/v1/runs/r1/resume", headers=AUTH).status_code == 202
+    assert control.read().phase == "running"
+    as_learner(api_cfg, "r1", "running")
+    r = client.post("/v1/runs/r1/checkpoint", headers=AUTH)
+    assert r.status_code == 202 and r.json()["detail"] == {"request": 1}
+    assert client.post("/v1/runs/r1/export", headers=AUTH).json()["detail"] == {"request": 1}
+    assert client.post("/v1/runs/r1/scale", json={"workers": 3}, headers=AUTH).status_code == 202
+    r = client.patch("/v1/runs/r1/hparams", json={"beta": 0.05, "temperature": 0.8}, headers=AUTH)
+    assert r.status_code == 202 and r.json()["detail"] == {"beta": 0.05, "temperature": 0.8}
+    st = control.read()
+    assert st.workers == 3 and st.checkpoint == 1 and st.export == 1
+    assert st.hparams == {"beta": 0.05, "temperature": 0.8}
+    assert client.post("/v1/runs/r1/stop", headers=AUTH).status_code == 202
+    assert control.read().phase == "stopping"
+    as_learner(api_cfg, "r1", "stopped")
+    for action in ("pause", "resume", "stop", "checkpoint", "export"):
+        assert client.post(f"/v1/runs/r1/{action}", headers=AUTH).status_code == 409, action
+    assert client.patch("/v1/runs/r1/hparams", json={"beta": 1}, headers=AUTH).status_code == 409
+    kinds = [e["kind"] for e in client.get("/v1/runs/r1/events").json()]
+    for k in ("request:paused", "request:running", "request:checkpoint", "request:export",
+              "request:scale", "request:hparams", "request:stopping"):  # fmt: skip
+        assert k in kinds
+    # A stopped run can be created again (a new run under its name).
+    assert client.post("/v1/runs", json={"config": small(), "start": False},
+                       headers=AUTH).status_code == 201  # fmt: skip
+
+
+def test_a_live_run_cannot_be_created_twice(client, api_cfg):
+    create(client)
+    as_learner(api_cfg, "r1", "running")
+    r = client.post("/v1/runs", json={"config": small(), "start": False}, headers=AUTH)
+    assert r.status_code == 409
+
+
+def test_body_limit(api_cfg, monkeypatch):
+    monkeypatch.setenv(api_cfg.token_env, TOKEN)
+    c = TestClient(create_app(api_cfg.model_copy(update={"max_body_bytes": 2048})))
+    big = {"config": {"name": "x" * 5000}, "start": False}
+    assert c.post("/v1/runs", json=big, headers=AUTH).status_code == 413
+
+
+def test_restarted_api_sees_everything(client, api_cfg, monkeypatch):
+    create(client, "a")
+    create(client, "b")
+    as_learner(api_cfg, "a", "running", step=11)
+    client.post("/v1/runs/a/scale", json={"workers": 5}, headers=AUTH)
+    again = TestClient(create_app(api_cfg))  # a new API process: all state is in Redis
+    runs = {r["name"]: r for r in again.get("/v1/runs").json()}
+    assert set(runs) == {"a", "b"}
+    assert runs["a"]["step"] == 11 and runs["a"]["desired_workers"] == 5
+    assert any(e["kind"] == "request:scale" for e in again.get("/v1/runs/a/events").json())
