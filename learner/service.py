@@ -220,6 +220,8 @@ class LearnerService:
                     self.client.hset(self.control.control, "phase", "running")
                 self.control.record("learner_started", {"resume": resume})
         self.paused = False
+        self.published = False
+        self.last_tick = time.monotonic()
         self.hparams: dict[str, Any] = {
             "beta": cfg.algo.beta,
             "lr": cfg.learner.lr,
@@ -301,6 +303,21 @@ class LearnerService:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         sd = get_model_state_dict(self.model, options=opts)
         return sd if self.rank == 0 else {}
+
+    # -- probes (/healthz, /readyz on rank 0) -----------------------------------------------
+
+    def health(self) -> tuple[bool, str]:
+        """Its loop goes round (an update, a wait for data or a pause poll)."""
+        idle = time.monotonic() - self.last_tick
+        limit = max(900.0, 10 * self.cfg.sync.timeout_s, 2 * self.cfg.buffer.sample_timeout_s)
+        return idle < limit, f"last loop {idle:.0f} s ago"
+
+    def ready(self) -> tuple[bool, str]:
+        """It has published its first weights and reaches Redis."""
+        if not self.published:
+            return False, "starting (first weights not published yet)"
+        self.client.ping()
+        return True, f"step {self.state.step}"
 
     # -- live control -------------------------------------------------------------------------
 
@@ -386,6 +403,7 @@ class LearnerService:
             if self.hub is not None:
                 self.broadcast_to = self.hub.sync(sd.items(), self.state.step)
             self.ring.set_policy_version(self.state.step)
+        self.published = True
         self.metrics.sync_s.inc(time.perf_counter() - t0)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -440,6 +458,7 @@ class LearnerService:
         waited_since = 0.0
         try:
             while self.state.updates < total:
+                self.last_tick = time.monotonic()
                 flags = torch.tensor([float(self.stop.is_set()), float(self.export_now.is_set())])
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any rank's request counts
                 todo = self._control()  # the run's control keys, as rank 0 read them
@@ -625,9 +644,10 @@ def run_rank(
         if on_service is not None:
             on_service(service)
         if service.rank == 0 and cfg.metrics.prometheus_port is not None:
-            from prometheus_client import start_http_server
+            from reval.ops_http import OpsServer
 
-            start_http_server(cfg.metrics.prometheus_port, registry=service.metrics.registry)
+            OpsServer(cfg.metrics.prometheus_port, service.metrics.registry, cfg.metrics.addr,
+                      service.health, service.ready)  # fmt: skip
         state = service.run()
         if service.rank == 0 and out:
             Path(out).write_text(json.dumps(state.__dict__))

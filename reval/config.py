@@ -295,7 +295,9 @@ class MetricsConfig(_Section):
     progress: bool = True
     """Show a progress bar (round, success rate, loss)."""
     prometheus_port: int | None = Field(None, ge=0, le=65535)
-    """Serve Prometheus metrics on this port (``None``: off)."""
+    """Serve Prometheus metrics (and ``/healthz``, ``/readyz``) on this port (``None``: off)."""
+    addr: str = "127.0.0.1"
+    """Address of that endpoint (``0.0.0.0`` in a container, for Prometheus to scrape)."""
 
 
 class EvalConfig(_Section):

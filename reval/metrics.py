@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any, TextIO
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 PREFIX = "reval_"
 
@@ -77,6 +77,8 @@ class TrainMetrics:
         self.tokens = Counter(f"{PREFIX}rollout_tokens", "Response tokens generated", registry=r)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` over HTTP; returns the bound port (``port=0`` picks a free one)."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return int(server.server_port)
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` over HTTP; returns the bound port
+        (``port=0`` picks a free one)."""
+        from reval.ops_http import OpsServer
+
+        return OpsServer(port, self.registry, addr).port

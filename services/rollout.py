@@ -153,6 +153,7 @@ class RolloutWorker:
         self.weights = WeightStore(self.client, b.key_prefix, cfg.name, weights_dir)
         self.control = RunControl(self.client, b.key_prefix, cfg.name)
         self.paused = False
+        self.last_tick = time.monotonic()
         self._heartbeat: threading.Thread | None = None
         self._loaded: tuple[int, float] | None = None
         self.receiver: Any = None
@@ -196,6 +197,21 @@ class RolloutWorker:
                                 self.worker_id)  # fmt: skip
         except (redis.ConnectionError, redis.TimeoutError) as err:
             log.warning("could not deregister (Redis unreachable): %s", err)
+
+    # -- probes (/healthz, /readyz) ------------------------------------------------------------
+
+    def health(self) -> tuple[bool, str]:
+        """Its loop goes round (a batch or a pause poll at least every few minutes)."""
+        idle = time.monotonic() - self.last_tick
+        limit = max(600.0, 10 * self.cfg.sync.timeout_s)
+        return idle < limit, f"last loop {idle:.0f} s ago"
+
+    def ready(self) -> tuple[bool, str]:
+        """It has weights and reaches Redis."""
+        if self._loaded is None:
+            return False, "waiting for the learner's first weights"
+        self.client.ping()
+        return True, f"policy version {self.engine.policy_version}"
 
     def _follow_control(self) -> bool:
         """The run's control keys between batches: pause, stop (drain), the sampling
@@ -357,6 +373,7 @@ class RolloutWorker:
             self._register("running")
             n_prompts = self.cfg.rollout.worker_prompts or self.cfg.rollout.prompts_per_round
             while not self.stop.is_set():
+                self.last_tick = time.monotonic()
                 if max_batches is not None and self.stats.batches >= max_batches:
                     break
                 if not self._follow_control():
@@ -446,10 +463,11 @@ def main(cfg: RunConfig, worker_id: str | None, max_batches: int | None, port: i
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    port = port if port is not None else cfg.metrics.prometheus_port
     if port is not None:
-        from prometheus_client import start_http_server
+        from reval.ops_http import OpsServer
 
-        start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+        OpsServer(port, metrics.registry, cfg.metrics.addr, worker.health, worker.ready)
     stats = worker.run(max_batches)
     print(
         json.dumps(

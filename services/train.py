@@ -106,7 +106,7 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
     # A fresh run: a Redis run of the same name starts empty.
     buffer = make_buffer(cfg.buffer, cfg.name, cfg.seed, BufferMetrics(metrics.registry), True)
     if cfg.metrics.prometheus_port is not None:
-        port = metrics.serve(cfg.metrics.prometheus_port)
+        port = metrics.serve(cfg.metrics.prometheus_port, cfg.metrics.addr)
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
     writer = JsonlWriter(run_dir / "metrics.jsonl") if cfg.metrics.jsonl else None
     sampler = PromptSampler(list(task.prompts), cfg.seed)

@@ -273,6 +273,58 @@ def test_worker_waits_for_the_learners_weights(tmp_path, redis_url, redis_prefix
     assert waited >= 0.7
 
 
+def test_worker_process_serves_health_and_readiness(tmp_path, redis_url, redis_prefix):
+    """/readyz is 503 until the learner's first weights are loaded, then 200; /healthz 200;
+    /metrics carries the worker's metrics; a pause over the run's control stops generation."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from reval.control import RunControl
+
+    def get(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as err:
+            return int(err.code)
+        except OSError:
+            return 0  # not listening yet
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix)
+    p = spawn(cli_args(tmp_path, redis_url, redis_prefix), "--worker-id", "wh",
+              "--metrics-port", str(port))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while get("/healthz") != 200:
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert get("/readyz") == 503  # no weights yet
+        publish(cfg, 0)
+        while get("/readyz") != 200:
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        ring = ring_of(cfg)
+        while len(ring) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        control = RunControl(redis.Redis.from_url(redis_url), redis_prefix, "w")
+        control.set_phase("paused")
+        time.sleep(3)  # the batch in flight finishes
+        held = len(ring)
+        time.sleep(2)
+        assert len(ring) == held  # paused: nothing generated
+        control.set_phase("stopping")  # the run stops: the worker drains and exits
+        p.communicate(timeout=60)
+        assert p.returncode == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def test_sigterm_drains_and_deregisters(tmp_path, redis_url, redis_prefix):
     cfg = worker_cfg(tmp_path, redis_url, redis_prefix)
     publish(cfg, 0)

@@ -1,0 +1,77 @@
+"""The small HTTP endpoint every long-running process serves (learner rank 0, rollout workers,
+``reval train``): ``/metrics`` (Prometheus text format), ``/healthz`` (the process is up and its
+main loop is not stuck) and ``/readyz`` (it can do its work: e.g. Redis answers, weights loaded).
+A thread of the standard library's HTTP server; no framework in the hot processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+log = logging.getLogger("reval.ops")
+
+Check = Callable[[], tuple[bool, str]]
+"""A probe: (ok, detail)."""
+
+
+def always_ok() -> tuple[bool, str]:
+    return True, ""
+
+
+class OpsServer:
+    """Serves ``/metrics``, ``/healthz`` and ``/readyz`` on a daemon thread."""
+
+    def __init__(
+        self,
+        port: int,
+        registry: CollectorRegistry,
+        addr: str = "0.0.0.0",
+        health: Check = always_ok,
+        ready: Check = always_ok,
+    ) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, generate_latest(outer.registry), CONTENT_TYPE_LATEST)
+                elif path in ("/healthz", "/readyz"):
+                    probe = outer.health if path == "/healthz" else outer.ready
+                    try:
+                        ok, detail = probe()
+                    except Exception as err:  # a probe that fails is a failed probe
+                        ok, detail = False, f"{type(err).__name__}: {err}"
+                    body = json.dumps({"ok": ok, "detail": detail}).encode()
+                    self._send(200 if ok else 503, body, "application/json")
+                else:
+                    self._send(404, b'{"detail": "not found"}', "application/json")
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # scrapes are not news
+                return
+
+        self.registry = registry
+        self.health, self.ready = health, ready
+        self.httpd = ThreadingHTTPServer((addr, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = int(self.httpd.server_address[1])
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="ops-http",
+                                       daemon=True)  # fmt: skip
+        self.thread.start()
+        log.info("metrics and health on %s:%d", addr, self.port)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
