@@ -27,6 +27,7 @@ lint: $(STAMP)
 
 test: lint
 	scripts/ensure_redis.sh
+	scripts/ensure_tools.sh
 	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(BIN)/python -m pytest -q
 
 clean:

@@ -92,6 +92,8 @@ def value_loss(
         "delta_mean": d.mean().item(),
         "log_ratio_mean": (slp - slp_ref).detach().mean().item(),
         "v1_minus_ref_mean": (v1 - v1_ref).detach().mean().item(),
+        "v1_mean": v1.detach().mean().item(),
+        "v1_ref_mean": v1_ref.detach().mean().item(),
     }
     return LossOutput(loss=loss, delta=d, metrics=metrics)
 

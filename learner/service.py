@@ -37,7 +37,7 @@ import redis
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -97,6 +97,27 @@ class LearnerMetrics:
             ["name"], registry=r,
         )  # fmt: skip
         self.paused = Gauge(f"{p}paused", "1 while the run is paused", registry=r)
+        self.success = Gauge(
+            f"{p}batch_success_rate", "Fraction of the last batch with a positive raw reward",
+            registry=r,
+        )  # fmt: skip
+        self.delta = Gauge(f"{p}delta_abs_mean", "Mean |Bellman residual| of the last batch",
+                           registry=r)  # fmt: skip
+        self.v1 = Gauge(f"{p}v1_mean", "Mean V1 (policy soft value at the prompt) of the last "
+                        "batch", registry=r)  # fmt: skip
+        self.v1_ref = Gauge(f"{p}v1_ref_mean", "Mean V1 of the reference on the last batch",
+                            registry=r)  # fmt: skip
+        self.kl = Gauge(
+            f"{p}kl_estimate",
+            "Mean log pi - log pi_ref over the last batch's responses (a sequence KL estimate)",
+            registry=r,
+        )
+        self.step_s = Histogram(
+            f"{p}step_seconds", "Time of one update (forward, backward, optimizer)",
+            buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100), registry=r,
+        )  # fmt: skip
+        self.sync_bytes = Counter(f"{p}sync_bytes", "Weight bytes published", registry=r)
+        self.ref_version = Gauge(f"{p}ref_version", "Version of the reference", registry=r)
 
 
 def _shard(model: nn.Module, mesh: Any, reshard_root: bool = False) -> nn.Module:
@@ -400,6 +421,7 @@ class LearnerService:
             if self.hub is not None:
                 where = f"{self.hub.backend}://{self.cfg.sync.broadcast_host}:{self.hub.port}"
             self.weights.publish(sd.items(), self.state.step, broadcast=where)
+            self.metrics.sync_bytes.inc(sum(t.numel() * t.element_size() for t in sd.values()))
             if self.hub is not None:
                 self.broadcast_to = self.hub.sync(sd.items(), self.state.step)
             self.ring.set_policy_version(self.state.step)
@@ -529,8 +551,13 @@ class LearnerService:
     ) -> None:
         loss = _reduce(metrics["loss"], "sum") / self.world if self.world > 1 else metrics["loss"]
         reward = float(np.mean([t.reward_raw for t in share])) if share else 0.0
+        success = float(np.mean([t.reward_raw > 0 for t in share])) if share else 0.0
+        keys = ("delta_abs_mean", "v1_mean", "v1_ref_mean", "log_ratio_mean")
+        terms = {k: float(metrics[k]) for k in keys if k in metrics}  # (the same on every rank)
         if self.world > 1:
             reward = _reduce(reward, "sum") / self.world
+            success = _reduce(success, "sum") / self.world
+            terms = {k: _reduce(v, "sum") / self.world for k, v in terms.items()}
         if self.rank != 0:
             return
         m = self.metrics
@@ -540,6 +567,13 @@ class LearnerService:
         m.skipped.inc(1 if metrics["skipped"] else 0)
         m.version.set(self.state.step)
         m.reward.set(reward)
+        m.success.set(success)
+        m.step_s.observe(upd_s)
+        m.ref_version.set(self.learner.reference.version)
+        for gauge, key in ((m.delta, "delta_abs_mean"), (m.v1, "v1_mean"),
+                           (m.v1_ref, "v1_ref_mean"), (m.kl, "log_ratio_mean")):  # fmt: skip
+            if key in terms:
+                gauge.set(terms[key])
         alive = registry.count_alive(
             self.client, self.cfg.buffer.key_prefix, self.cfg.name, self.cfg.rollout.heartbeat_s
         )

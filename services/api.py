@@ -211,6 +211,7 @@ def create_app(cfg: ApiConfig | None = None, client: redis.Redis | None = None) 
     )
     app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
     app.state.store = store
+    app.state.metrics = metrics
     app.state.children = {}  # pid -> Popen of runs this process started (reaped on status)
 
     @app.middleware("http")
