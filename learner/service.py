@@ -57,7 +57,7 @@ from buffer.records import Trajectory
 from learner.trainer import Learner
 from reval import registry
 from reval.config import RunConfig, dump_config
-from reval.control import HPARAMS, RunControl
+from reval.control import HPARAMS, RunControl, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import load_policy
 from reval.weight_sync import WeightStore
@@ -240,6 +240,8 @@ class LearnerService:
                 if st.phase == "stopping":  # a stop of an earlier start: this one runs
                     self.client.hset(self.control.control, "phase", "running")
                 self.control.record("learner_started", {"resume": resume})
+                if adopt_run(self.client, bc.key_prefix, cfg.name, cfg.model_dump(mode="json")):
+                    log.info("run %s registered for the REST API", cfg.name)
         self.paused = False
         self.published = False
         self.last_tick = time.monotonic()

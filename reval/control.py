@@ -40,6 +40,19 @@ HPARAMS: dict[str, tuple[type, float, float, str]] = {
 EVENTS_MAXLEN = 10_000
 
 
+def runs_key(prefix: str) -> str:
+    """The REST API's registry of the runs it shows (name -> JSON entry)."""
+    return f"{prefix}api:runs"
+
+
+def adopt_run(client: redis.Redis, prefix: str, run: str, config: dict[str, Any]) -> bool:
+    """Show a run started outside the API (``reval learner`` under compose or by hand) in the
+    API's registry; a run the API created keeps its entry. True if it was added."""
+    entry = {"created": time.time(), "config": config, "pid": None, "started": True,
+             "external": True}  # fmt: skip
+    return bool(client.hsetnx(runs_key(prefix), run, json.dumps(entry)))
+
+
 def control_key(prefix: str, run: str) -> str:
     return f"{prefix}{{{run}}}:control"
 

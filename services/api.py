@@ -36,7 +36,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 
 from reval import registry
 from reval.config import ApiConfig, ConfigError, build_config
-from reval.control import RunControl
+from reval.control import RunControl, runs_key
 
 log = logging.getLogger("reval.api")
 
@@ -160,7 +160,7 @@ class Store:
     def __init__(self, cfg: ApiConfig, client: redis.Redis | None = None) -> None:
         self.cfg = cfg
         self.client = client or redis.Redis.from_url(cfg.redis_url, socket_timeout=10)
-        self.runs_key = f"{cfg.key_prefix}api:runs"
+        self.runs_key = runs_key(cfg.key_prefix)
 
     def get(self, name: str) -> dict[str, Any] | None:
         raw = self.client.hget(self.runs_key, name)
@@ -251,10 +251,14 @@ def create_app(cfg: ApiConfig | None = None, client: redis.Redis | None = None) 
         child = app.state.children.get(pid)
         if child is not None:
             child.poll()  # reap it when it has exited
-        alive = _pid_alive(pid)
-        phase = status.get("phase", "starting" if alive else "registered")
-        if entry.get("started") and not alive and phase not in FINISHED:
-            phase = "failed"  # the launch process is gone without a final status
+        if entry.get("external"):  # started outside the API: its status is all there is
+            alive = status.get("phase") not in FINISHED
+            phase = status.get("phase", "starting")
+        else:
+            alive = _pid_alive(pid)
+            phase = status.get("phase", "starting" if alive else "registered")
+            if entry.get("started") and not alive and phase not in FINISHED:
+                phase = "failed"  # the launch process is gone without a final status
         if alive and ctl.phase == "stopping" and phase not in FINISHED:
             phase = "stopping"
         buf = None
