@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -191,8 +192,14 @@ def _pid_alive(pid: int | None) -> bool:
     return state != "Z"
 
 
-def create_app(cfg: ApiConfig | None = None, client: redis.Redis | None = None) -> FastAPI:
-    """The app; ``serve`` and the Ray Serve deployment both mount what this returns."""
+def create_app(
+    cfg: ApiConfig | None = None,
+    client: redis.Redis | None = None,
+    launcher: Callable[[str, Path], int] | None = None,
+) -> FastAPI:
+    """The app; ``serve`` and the Ray Serve deployment both mount what this returns.
+    ``launcher(name, config_path) -> pid`` starts a run (default: ``reval launch`` in its own
+    session)."""
     cfg = cfg or ApiConfig()
     store = Store(cfg, client)
     token = os.environ.get(cfg.token_env, "")
@@ -301,6 +308,8 @@ def create_app(cfg: ApiConfig | None = None, client: redis.Redis | None = None) 
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "config.request.json"
         path.write_text(json.dumps(entry["config"], indent=2))
+        if launcher is not None:
+            return launcher(name, path)
         env = dict(os.environ)
         if cfg.ray_address:
             env["RAY_ADDRESS"] = cfg.ray_address
