@@ -501,9 +501,8 @@ def _valid_stream_id(s: str) -> bool:
     return ms.isdigit() and (seq == "" or seq.isdigit())
 
 
-def serve(cfg: ApiConfig) -> int:
-    """``reval serve``: uvicorn on ``cfg.host:cfg.port``."""
-    import uvicorn
+def serve(cfg: ApiConfig, ray: bool = False, replicas: int = 1) -> int:
+    """``reval serve``: uvicorn on ``cfg.host:cfg.port`` (or Ray Serve with ``ray``)."""
 
     token = os.environ.get(cfg.token_env, "")
     if not cfg.dev and (token.strip().lower() in DEFAULT_TOKENS or len(token) < 16):
@@ -515,6 +514,12 @@ def serve(cfg: ApiConfig) -> int:
         return 2
     if cfg.dev and not token:
         log.warning("dev mode with no token: every mutating request is refused (403)")
-    app = create_app(cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
+    if ray:
+        from services.api_serve import run
+
+        run(cfg, replicas)
+        return 0
+    import uvicorn
+
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
     return 0

@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--ray-address", help="RAY_ADDRESS for the runs it launches")
     sv.add_argument("--auth-reads", action="store_true", help="reads need the token too")
     sv.add_argument("--dev", action="store_true", help="allow an empty/default token (dev only)")
+    sv.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve it as a Ray Serve deployment (RAY_ADDRESS or a local Ray) instead of uvicorn",
+    )
+    sv.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (with --ray)")
     from services.client import add_parser as add_runs
 
     add_runs(sub)
@@ -106,7 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as err:
         print(f"reval serve: {err}", file=sys.stderr)
         return 2
-    return serve(cfg)
+    return serve(cfg, ray=args.ray, replicas=args.replicas)
 
 
 def _launch(cfg: Any, args: argparse.Namespace) -> int:
