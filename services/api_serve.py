@@ -42,8 +42,11 @@ def build(cfg: ApiConfig, replicas: int = 1) -> Any:
 
 
 def app_builder(args: dict[str, str]) -> Any:
-    """For ``serve run services.api_serve:app_builder key=value ...`` (ApiConfig fields)."""
-    return build(ApiConfig(**args))
+    """For ``serve run services.api_serve:app_builder key=value ...`` and a RayService's
+    ``serveConfigV2`` (ApiConfig fields, plus ``replicas``)."""
+    fields = dict(args)
+    replicas = int(fields.pop("replicas", 1))
+    return build(ApiConfig(**fields), replicas)
 
 
 def run(cfg: ApiConfig, replicas: int = 1, block: bool = True) -> None:
