@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from reval import registry
-from reval.config import ApiConfig, ConfigError, build_config
+from reval.config import ApiConfig, BufferConfig, ConfigError, build_config
 from reval.control import RunControl, runs_key
 
 log = logging.getLogger("reval.api")
@@ -360,10 +360,12 @@ def create_app(
     def create_run(body: CreateRun) -> RunInfo:
         data = dict(body.config)
         buffer = dict(data.get("buffer", {}))
-        # The run uses the API's replay service and key prefix: the API must see its keys.
+        # The run uses the API's replay service and key prefix: the API must see its keys (a
+        # default left in a resolved config is replaced; another explicit value is refused).
         for key, value in (("backend", "redis"), ("redis_url", cfg.redis_url),
                            ("key_prefix", cfg.key_prefix)):  # fmt: skip
-            if buffer.get(key, value) != value:
+            given = buffer.get(key, value)
+            if given != value and given != BufferConfig.model_fields[key].default:
                 raise HTTPException(422, [{"loc": ["body", "config", "buffer", key],
                                            "msg": f"this API manages runs with {key}={value!r}",
                                            "type": "value_error"}])  # fmt: skip

@@ -83,7 +83,7 @@ def test_create_get_list(client, api_cfg):
     [
         ({"learner": {"lr": -1}}, "learner.lr"),
         ({"learner": {"nonsense": 1}}, "learner.nonsense"),
-        ({"buffer": {"backend": "memory"}}, "backend"),
+        ({"buffer": {"key_prefix": "someone-else:"}}, "key_prefix"),
         ({"buffer": {"capacity": 8}}, "learner.batch_size"),
     ],
 )
