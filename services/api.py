@@ -313,6 +313,8 @@ def create_app(
         env = dict(os.environ)
         if cfg.ray_address:
             env["RAY_ADDRESS"] = cfg.ray_address
+        elif not env.get("RAY_ADDRESS"):
+            env.pop("RAY_ADDRESS", None)  # (an empty one would not mean "local")
         log_file = (run_dir / "launch.log").open("ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "launch", "--config", str(path)],

@@ -189,7 +189,9 @@ class Launch:
         lc = cfg.launch
         self.world = cfg.learner.world_size
         if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
+            address = os.environ.get("RAY_ADDRESS") or None
+            if address is None:  # an empty RAY_ADDRESS (compose) means a local Ray
+                os.environ.pop("RAY_ADDRESS", None)
             kwargs: dict[str, Any] = {"namespace": lc.namespace, "log_to_driver": True}
             if address:
                 kwargs["address"] = address

@@ -48,7 +48,9 @@ def compose_config(**env: str) -> dict:
 def test_compose_file_is_valid():
     cfg = compose_config(**SECRETS)
     services = cfg["services"]
-    assert set(services) == {"redis", "api", "learner", "rollout", "prometheus", "grafana"}
+    assert set(services) == {"redis", "api", "learner", "rollout", "prometheus", "grafana",
+                             "ray-head"}  # fmt: skip
+    assert services["ray-head"]["profiles"] == ["ray"]  # opt-in
     for name in ("redis", "api", "learner", "rollout", "prometheus"):
         assert "healthcheck" in services[name], name
     assert services["api"]["depends_on"]["redis"]["condition"] == "service_healthy"
