@@ -283,6 +283,8 @@ class LaunchConfig(_Section):
     the machine's cores); ignored when joining an existing cluster."""
     stop_timeout_s: float = Field(60.0, gt=0)
     """How long stopping waits for workers to drain and the learner to checkpoint."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """The driver's ``/metrics``, ``/healthz``, ``/readyz`` (at ``metrics.addr``; None: off)."""
 
 
 class MetricsConfig(_Section):

@@ -167,6 +167,22 @@ class RolloutActor:
             self.worker.stop.set()
 
 
+class LaunchMetrics:
+    """The driver's metrics (``reval_launch_*``)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        r = self.registry = CollectorRegistry()
+        self.workers = Gauge("reval_launch_workers", "Rollout worker actors running", registry=r)
+        self.desired = Gauge("reval_launch_workers_desired", "Rollout workers wanted",
+                             registry=r)  # fmt: skip
+        self.dead = Counter("reval_launch_dead_workers", "Rollout worker actors that died",
+                            registry=r)  # fmt: skip
+        self.restarts = Counter("reval_launch_learner_restarts", "Learner restarts after a "
+                                "rank died", registry=r)  # fmt: skip
+
+
 @dataclass
 class _Worker:
     worker_id: str
@@ -227,6 +243,8 @@ class Launch:
         self.dead_workers = 0
         self.stop_requested = False
         self.state = "starting"
+        self.metrics = LaunchMetrics()
+        self.last_tick = time.monotonic()
         import redis
 
         from reval.control import RunControl
@@ -236,6 +254,19 @@ class Launch:
             cfg.buffer.key_prefix,
             cfg.name,
         )
+        # Where `reval launch --add/--status` (another process) finds this run's Ray cluster:
+        # "auto" would pick whichever local Ray started last when several run on one machine.
+        try:
+            self.control.client.hset(self.control.control, "ray_address",
+                                     ray.get_runtime_context().gcs_address)  # fmt: skip
+        except Exception as err:  # the control works without it (RAY_ADDRESS or "auto")
+            log.warning("could not record the Ray address: %s", err)
+        self.ops: Any = None
+        if lc.metrics_port is not None:
+            from reval.ops_http import OpsServer
+
+            self.ops = OpsServer(lc.metrics_port, self.metrics.registry, cfg.metrics.addr,
+                                 self.health, self.ready)  # fmt: skip
 
     # -- learner --------------------------------------------------------------------------------
 
@@ -298,6 +329,7 @@ class Launch:
                 f"the learner failed and is not restarted ({self.restarts} restart(s) so far)"
             )
         self.restarts += 1
+        self.metrics.restarts.inc()
         resume = self._ckpt_exists()
         log.warning(
             "restarting the learner (%d/%d) %s",
@@ -348,6 +380,7 @@ class Launch:
                 log.info("worker %s finished: %s", w.worker_id, summary)
             except Exception as err:
                 self.dead_workers += 1
+                self.metrics.dead.inc()
                 log.error("worker %s died: %s", w.worker_id, str(err).splitlines()[0])
                 if not w.stopping and not self.cfg.launch.replace_dead_workers:
                     self.control.set_workers(max(0, self._desired() - 1))
@@ -360,6 +393,13 @@ class Launch:
                 ready, _ = self.ray.wait([w.actor.pid.remote()], timeout=0.2)
                 if ready:
                     w.pid = int(self.ray.get(ready[0]))
+
+    def health(self) -> tuple[bool, str]:
+        idle = time.monotonic() - self.last_tick
+        return idle < 120, f"control loop {idle:.0f} s ago"
+
+    def ready(self) -> tuple[bool, str]:
+        return self.state in ("running", "stopping"), self.state
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -448,6 +488,9 @@ class Launch:
                 self._check_workers()
                 self._worker_pids()
                 self.mailbox.post.remote(self.status())
+                self.last_tick = time.monotonic()
+                self.metrics.workers.set(len(self.workers))
+                self.metrics.desired.set(self._desired())
                 time.sleep(TICK_S)
         finally:
             self.state = "draining"
@@ -512,8 +555,8 @@ def control(
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace=cfg.launch.namespace,
-                 log_to_driver=False)  # fmt: skip
+        address = os.environ.get("RAY_ADDRESS") or _recorded_address(cfg) or "auto"
+        ray.init(address=address, namespace=cfg.launch.namespace, log_to_driver=False)
     try:
         box = ray.get_actor(mailbox_name(cfg.name), namespace=cfg.launch.namespace)
     except ValueError as err:
@@ -529,6 +572,20 @@ def control(
     if stop:
         ray.get(box.request.remote("stop"))
     return dict(ray.get(box.get_status.remote()))
+
+
+def _recorded_address(cfg: RunConfig) -> str | None:
+    """The Ray address the run's driver recorded in its control hash."""
+    import redis
+
+    from reval.control import control_key
+
+    try:
+        client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=5)
+        raw = client.hget(control_key(cfg.buffer.key_prefix, cfg.name), "ray_address")
+    except redis.RedisError:
+        return None
+    return raw.decode() if raw else None
 
 
 def wait_status(

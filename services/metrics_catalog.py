@@ -37,7 +37,10 @@ def registries() -> dict[str, CollectorRegistry]:
     VerifierMetrics(rollout.registry)
     train = TrainMetrics()
     BufferMetrics(train.registry)
+    from services.launch import LaunchMetrics
+
     return {
+        "launch": LaunchMetrics().registry,
         "learner": learner.registry,
         "rollout": rollout.registry,
         "train": train.registry,

@@ -66,6 +66,11 @@ def restart_row(run_dir: Path) -> int | None:
 
 
 def test_launch_on_local_ray(tmp_path, redis_url, redis_prefix):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        ops_port = sock.getsockname()[1]
     sets = common(
         tmp_path,
         redis_url,
@@ -77,6 +82,7 @@ def test_launch_on_local_ray(tmp_path, redis_url, redis_prefix):
         "learner.checkpoint_every=5",
         "launch.workers=2",
         "launch.stop_timeout_s=30",
+        f"launch.metrics_port={ops_port}",
     )
     run_dir = tmp_path / "launch"
     log_file = (tmp_path / "driver.log").open("w")
@@ -92,6 +98,13 @@ def test_launch_on_local_ray(tmp_path, redis_url, redis_prefix):
         wait_for(lambda: last_update(run_dir) >= 8, 240, driver, "8 updates")
         st = status(sets)
         assert st["state"] == "running" and len(st["workers"]) == 2
+        # The driver's own endpoint: probes and metrics.
+        import httpx
+
+        ops = f"http://127.0.0.1:{ops_port}"
+        assert httpx.get(f"{ops}/healthz").status_code == 200
+        assert httpx.get(f"{ops}/readyz").status_code == 200
+        assert "reval_launch_workers 2.0" in httpx.get(f"{ops}/metrics").text
         assert registry.count_alive(client, redis_prefix, "launch", 1.0) == 2
 
         # A newcomer from another process: its first trajectories carry current weights.
