@@ -104,9 +104,21 @@ class RunControl:
 
     # -- the API's side -----------------------------------------------------------------------
 
+    def current_step(self) -> int | None:
+        """The learner's last reported step (None before its first update)."""
+        raw = self.client.hget(self.status, "step")
+        try:
+            return None if raw is None else int(json.loads(raw))
+        except (ValueError, TypeError):
+            return None
+
     def record(
         self, kind: str, detail: dict[str, Any] | None = None, step: int | None = None
     ) -> str:
+        """Append an event; without ``step``, the learner's last reported step (a request's
+        step is the last update finished before it)."""
+        if step is None:
+            step = self.current_step()
         fields = {"time": f"{time.time():.3f}", "kind": kind, "detail": json.dumps(detail or {})}
         if step is not None:
             fields["step"] = str(step)

@@ -257,8 +257,11 @@ class Launch:
         # Where `reval launch --add/--status` (another process) finds this run's Ray cluster:
         # "auto" would pick whichever local Ray started last when several run on one machine.
         try:
-            self.control.client.hset(self.control.control, "ray_address",
-                                     ray.get_runtime_context().gcs_address)  # fmt: skip
+            where = {"ray_address": ray.get_runtime_context().gcs_address,
+                     # (ray.init turns token auth on for a local cluster through this variable;
+                     # a client with an explicit address must set it the same way)
+                     "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "")}  # fmt: skip
+            self.control.client.hset(self.control.control, mapping=where)
         except Exception as err:  # the control works without it (RAY_ADDRESS or "auto")
             log.warning("could not record the Ray address: %s", err)
         self.ops: Any = None
@@ -552,11 +555,15 @@ def control(
     cfg: RunConfig, add: int = 0, remove: int = 0, stop: bool = False, export: bool = False
 ) -> dict[str, Any]:
     """From another process: send requests to a launched run, return its status."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        address, auth_mode = _recorded_address(cfg)
+        if auth_mode and "RAY_AUTH_MODE" not in os.environ:
+            os.environ["RAY_AUTH_MODE"] = auth_mode  # (read when ray is imported)
     import ray
 
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or _recorded_address(cfg) or "auto"
-        ray.init(address=address, namespace=cfg.launch.namespace, log_to_driver=False)
+        ray.init(address=address or "auto", namespace=cfg.launch.namespace, log_to_driver=False)
     try:
         box = ray.get_actor(mailbox_name(cfg.name), namespace=cfg.launch.namespace)
     except ValueError as err:
@@ -574,18 +581,20 @@ def control(
     return dict(ray.get(box.get_status.remote()))
 
 
-def _recorded_address(cfg: RunConfig) -> str | None:
-    """The Ray address the run's driver recorded in its control hash."""
+def _recorded_address(cfg: RunConfig) -> tuple[str | None, str | None]:
+    """The Ray address (and auth mode) the run's driver recorded in its control hash."""
     import redis
 
     from reval.control import control_key
 
     try:
         client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=5)
-        raw = client.hget(control_key(cfg.buffer.key_prefix, cfg.name), "ray_address")
+        raw = client.hmget(control_key(cfg.buffer.key_prefix, cfg.name),
+                           ["ray_address", "ray_auth_mode"])  # fmt: skip
     except redis.RedisError:
-        return None
-    return raw.decode() if raw else None
+        return None, None
+    address, mode = (x.decode() if x else None for x in raw)
+    return address, mode
 
 
 def wait_status(
