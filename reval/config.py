@@ -313,6 +313,11 @@ class EvalConfig(_Section):
     """Sampling temperature of the evaluation."""
     max_prompts: int = Field(512, ge=1)
     """Evaluate at most this many prompts (a fixed-seed subset beyond that)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Top-p of the evaluation's sampling (``reval eval``)."""
+    max_problems: int = Field(100, ge=1)
+    """``reval eval``: each benchmark capped at this many problems by a seeded subsample (the
+    paper: 100)."""
 
 
 class RunConfig(_Section):

@@ -68,6 +68,18 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument(
         "--export", action="store_true", help="the launched run's learner exports an HF checkpoint"
     )
+    ev = sub.add_parser(
+        "eval", help="evaluate a checkpoint on the paper's benchmarks (avg@k, the paper's table)"
+    )
+    _config_args(ev, "override a field, e.g. --set eval.samples_per_prompt=16 (repeatable)")
+    ev.add_argument("--checkpoint", help="a Hugging Face checkpoint directory or hub id "
+                    "(default: model.name_or_path of the config)")  # fmt: skip
+    ev.add_argument("--benchmarks", default="aime24,aime25,amc,math500,minerva,olympiad,gpqa",
+                    help="comma-separated benchmark names")  # fmt: skip
+    ev.add_argument("--data", help="directory of local benchmark files NAME.jsonl (default: the "
+                    "hub through the datasets library)")  # fmt: skip
+    ev.add_argument("--out", help="results JSON (default: CHECKPOINT/eval.json or run_dir)")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     sv = sub.add_parser("serve", help="the REST control plane (FastAPI under uvicorn)")
     sv.add_argument("--host", help="listen address (default 127.0.0.1)")
     sv.add_argument("--port", type=int, help="port (default 8080)")
@@ -113,6 +125,30 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"reval serve: {err}", file=sys.stderr)
         return 2
     return serve(cfg, ray=args.ray, replicas=args.replicas)
+
+
+def _eval(cfg: Any, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.checkpoint:
+        cfg.model.name_or_path = args.checkpoint
+    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    if args.out:
+        out = Path(args.out)
+    elif cfg.model.name_or_path and Path(cfg.model.name_or_path).is_dir():
+        out = Path(cfg.model.name_or_path) / "eval.json"
+    else:
+        out = cfg.run_dir / "eval.json"
+    from services.evaluate import run_eval
+
+    try:
+        report = run_eval(cfg, names, args.data, out, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"reval eval: {err}", file=sys.stderr)
+        return 2
+    print(report["table"], end="")
+    print(f"results: {out}")
+    return 0
 
 
 def _launch(cfg: Any, args: argparse.Namespace) -> int:
@@ -168,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     if args.command == "launch":
         return _launch(cfg, args)
+    if args.command == "eval":
+        return _eval(cfg, args)
     if args.command == "rollout":
         if cfg.buffer.backend != "redis":
             print(

@@ -1,0 +1,149 @@
+"""``reval eval``: a checkpoint on the paper's benchmarks, avg@k as the paper reports it.
+
+For each benchmark (``rollout/benchmarks.py``: at most ``eval.max_problems`` problems, a seeded
+subsample), ``eval.samples_per_prompt`` = k answers per problem at ``eval.temperature`` and
+``eval.top_p`` with the run's engine (HF, or vLLM on GPU), graded by the training verifier
+(math-verify in a process pool; GPQA by option letter). avg@k = the mean over problems of the
+fraction of a problem's k answers that are right. Results go to a JSON file and a table with the
+paper's columns (AIME24 AIME25 AMC MATH MINERVA Olympiad GPQA Avg).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from reval.config import RunConfig
+from rollout.benchmarks import BENCHMARKS, Benchmark, load_benchmark
+from rollout.engines import SamplingParams
+
+log = logging.getLogger("reval.eval")
+
+COLUMNS = ("aime24", "aime25", "amc", "math500", "minerva", "olympiad", "gpqa")
+
+
+@dataclass
+class BenchmarkResult:
+    name: str
+    avg_at_k: float
+    k: int
+    problems: int
+    skipped_rows: int
+    per_problem: list[float]
+    seconds: float
+
+
+def evaluate_benchmark(
+    bench: Benchmark,
+    engine: Any,
+    tokenizer: Any,
+    verifier: Any,
+    params: SamplingParams,
+    seed: int = 0,
+    batch_prompts: int = 16,
+    progress: Any = None,
+) -> BenchmarkResult:
+    t0 = time.perf_counter()
+    scores: list[float] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for start in range(0, len(bench.problems), batch_prompts):
+        chunk = bench.problems[start : start + batch_prompts]
+        texts = bench.prompts[start : start + batch_prompts]
+        ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        samples = engine.generate(ids, params, seed=seed * 1_000_003 + start)
+        pairs = []
+        for problem, group in zip(chunk, samples, strict=True):
+            for s in group:
+                tokens = [int(x) for x in s.token_ids if eos is None or int(x) != eos]
+                pairs.append((problem.answer, tokenizer.decode(tokens, skip_special_tokens=True)))
+        graded = [float(x) for x in verifier.score_many(pairs)]
+        k = params.n
+        for j in range(len(chunk)):
+            scores.append(float(np.mean(graded[j * k : (j + 1) * k])))
+        if progress is not None:
+            progress.update(len(chunk))
+    return BenchmarkResult(
+        name=bench.spec.name,
+        avg_at_k=float(np.mean(scores)) if scores else 0.0,
+        k=params.n,
+        problems=len(scores),
+        skipped_rows=bench.skipped,
+        per_problem=scores,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def table(results: dict[str, BenchmarkResult]) -> str:
+    """The paper's columns (percent), the benchmarks run, their average."""
+    cols = [c for c in COLUMNS if c in results] + [c for c in results if c not in COLUMNS]
+    head = " | ".join(BENCHMARKS[c].title if c in BENCHMARKS else c for c in cols)
+    vals = [100 * results[c].avg_at_k for c in cols]
+    avg = float(np.mean(vals)) if vals else 0.0
+    row = " | ".join(f"{v:.1f}" for v in vals)
+    return f"| {head} | Avg |\n|{'---|' * (len(cols) + 1)}\n| {row} | {avg:.1f} |\n"
+
+
+def run_eval(
+    cfg: RunConfig,
+    benchmarks: list[str],
+    data_dir: str | None,
+    out: Path,
+    progress: bool = True,
+) -> dict[str, Any]:
+    from rollout.verify import MathVerify, VerifierPool
+    from services.rollout import build_engine
+
+    unknown = [b for b in benchmarks if b not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown} (known: {', '.join(BENCHMARKS)})")
+    engine, tokenizer = build_engine(cfg, cfg.seed)
+    e = cfg.eval
+    params = SamplingParams(n=e.samples_per_prompt, temperature=e.temperature, top_p=e.top_p,
+                            max_new_tokens=cfg.rollout.max_new_tokens)  # fmt: skip
+    loaded = [
+        load_benchmark(b, data_dir, e.max_problems, cfg.seed, cfg.task.template, tokenizer)
+        for b in benchmarks
+    ]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(b.problems) for b in loaded), desc="eval", unit="problem")
+    results: dict[str, BenchmarkResult] = {}
+    require_think = cfg.task.template == "r1_distill"
+    try:
+        for bench in loaded:
+            grader = MathVerify(require_think=require_think,
+                                multiple_choice=bench.spec.multiple_choice)  # fmt: skip
+            with VerifierPool(grader, workers=cfg.rollout.verifier_workers,
+                              timeout=cfg.rollout.verifier_timeout_s) as pool:  # fmt: skip
+                results[bench.spec.name] = evaluate_benchmark(
+                    bench, engine, tokenizer, pool, params, cfg.seed, progress=bar
+                )
+            got = results[bench.spec.name]
+            log.info("%s: avg@%d %.3f over %d problems", got.name, got.k, got.avg_at_k,
+                     got.problems)  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+    report: dict[str, Any] = {
+        "checkpoint": cfg.model.name_or_path,
+        "k": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_new_tokens": params.max_new_tokens,
+        "max_problems": e.max_problems,
+        "seed": cfg.seed,
+        "benchmarks": {n: r.__dict__ for n, r in results.items()},
+        "avg": float(np.mean([r.avg_at_k for r in results.values()])) if results else 0.0,
+        "table": table(results),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    return report

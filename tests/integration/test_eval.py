@@ -1,0 +1,141 @@
+"""`reval eval`: benchmark loading (fields, GPQA options, the seeded cap), avg@k, and the command
+on a saved tiny checkpoint with sample benchmark files built here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reval.config import ModelConfig
+from reval.policy import load_policy
+from rollout.benchmarks import BENCHMARKS, Benchmark, Problem, load_benchmark, parse_rows
+from rollout.engines import Sample, SamplingParams
+from services.evaluate import evaluate_benchmark, table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def sample_data(d: Path) -> Path:
+    good = [{"problem": f"{i}+1=?", "answer": str(i + 1)} for i in range(6)]
+    write_jsonl(d / "aime24.jsonl", [*good, {"problem": "", "answer": "1"}, {"answer": "3"}])
+    write_jsonl(d / "olympiad.jsonl", [{"question": "2+2?", "final_answer": ["4"]},
+                                       {"question": "x", "final_answer": []}])  # fmt: skip
+    write_jsonl(d / "gpqa.jsonl", [
+        {"Question": f"Q{i}", "Correct Answer": f"right{i}", "Incorrect Answer 1": "w1",
+         "Incorrect Answer 2": "w2", "Incorrect Answer 3": "w3"} for i in range(4)
+    ] + [{"Question": "Q", "Correct Answer": "r", "Incorrect Answer 1": "w"}])  # fmt: skip
+    return d
+
+
+def test_loading_fields_options_and_the_cap(tmp_path):
+    d = sample_data(tmp_path)
+    aime = load_benchmark("aime24", d, max_problems=100)
+    assert len(aime.problems) == 6 and aime.skipped == 2
+    assert aime.problems[0].answer == "1" and aime.prompts[0].startswith("0+1=?")
+    oly = load_benchmark("olympiad", d)
+    assert [p.answer for p in oly.problems] == ["4"] and oly.skipped == 1
+    gpqa = load_benchmark("gpqa", d, seed=3)
+    assert len(gpqa.problems) == 4 and gpqa.skipped == 1  # (three wrong options needed)
+    for i, p in enumerate(gpqa.problems):
+        line = next(x for x in p.text.splitlines() if x.endswith(f"right{i}"))
+        assert line.startswith(f"{p.answer})")  # the gold letter is where the right option went
+    assert len({p.answer for p in gpqa.problems}) > 1  # shuffled, not always A
+    again = load_benchmark("gpqa", d, seed=3)
+    assert [p.text for p in again.problems] == [p.text for p in gpqa.problems]
+    capped = load_benchmark("aime24", d, max_problems=3, seed=1)
+    assert len(capped.problems) == 3 and capped.total == 6
+    assert [p.id for p in load_benchmark("aime24", d, max_problems=3, seed=1).problems] == [
+        p.id for p in capped.problems
+    ]
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        load_benchmark("mmlu", d)
+    with pytest.raises(FileNotFoundError, match="amc"):
+        load_benchmark("amc", d)
+    assert set(BENCHMARKS) == {"aime24", "aime25", "amc", "math500", "minerva", "olympiad", "gpqa"}
+    problems, skipped = parse_rows(BENCHMARKS["math500"], [{"problem": "p", "answer": 7}, "junk"])
+    assert [p.answer for p in problems] == ["7"] and skipped == 1
+
+
+class FakeTokenizer:
+    eos_token_id = 0
+
+    class _Enc:
+        def __init__(self, ids: list[int]) -> None:
+            self.input_ids = ids
+
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        return self._Enc([1, 2, 3])
+
+    def decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return "right" if tokens == [7] else "wrong"
+
+
+class FakeEngine:
+    """Problem j (in call order) gets right answers in its first j % 4 samples of 4."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def generate(self, prompts, params, seed):
+        out = []
+        for _ in prompts:
+            good = self.seen % 4
+            ids = [np.array([7 if i < good else 8, 0], dtype=np.int32) for i in range(params.n)]
+            out.append([Sample(t, np.zeros(2, np.float32), "stop") for t in ids])
+            self.seen += 1
+        return out
+
+
+class FakeVerifier:
+    def score_many(self, pairs):
+        return [1.0 if r == "right" else 0.0 for _, r in pairs]
+
+
+def test_avg_at_k_is_the_mean_over_problems_of_the_fraction_right():
+    problems = [Problem(f"p{i}", "q", "a") for i in range(8)]
+    bench = Benchmark(BENCHMARKS["math500"], problems, prompts=["q"] * 8)
+    res = evaluate_benchmark(bench, FakeEngine(), FakeTokenizer(), FakeVerifier(),
+                             SamplingParams(n=4), batch_prompts=3)  # fmt: skip
+    assert res.per_problem == [0.0, 0.25, 0.5, 0.75] * 2
+    assert res.avg_at_k == pytest.approx(0.375) and res.k == 4 and res.problems == 8
+    t = table({"gpqa": res, "aime24": res})
+    assert t.splitlines()[0] == "| AIME24 | GPQA | Avg |"  # the paper's column order
+    assert t.splitlines()[2] == "| 37.5 | 37.5 | 37.5 |"
+
+
+@pytest.mark.timeout(300)
+def test_reval_eval_on_a_saved_checkpoint(tmp_path):
+    (tmp_path / "bench").mkdir()
+    data = sample_data(tmp_path / "bench")
+    policy = load_policy(ModelConfig(device="cpu"), seed=0)
+    ckpt = tmp_path / "ckpt"
+    policy.model.save_pretrained(ckpt)
+    policy.tokenizer.save_pretrained(ckpt)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "eval", "--checkpoint", str(ckpt), "--benchmarks",
+         "aime24,gpqa", "--data", str(data), "--no-progress", "--set",
+         "eval.samples_per_prompt=3", "--set", "rollout.max_new_tokens=6",
+         "--set", "rollout.verifier_workers=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| AIME24 | GPQA | Avg |" in done.stdout
+    report = json.loads((ckpt / "eval.json").read_text())
+    assert report["k"] == 3 and report["checkpoint"] == str(ckpt)
+    assert report["benchmarks"]["aime24"]["problems"] == 6
+    assert report["benchmarks"]["gpqa"]["problems"] == 4
+    for r in report["benchmarks"].values():
+        assert 0.0 <= r["avg_at_k"] <= 1.0 and len(r["per_problem"]) == r["problems"]
+    bad = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--checkpoint", str(ckpt),
+                          "--benchmarks", "mmlu", "--data", str(data)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "unknown benchmark" in bad.stderr
