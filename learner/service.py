@@ -158,6 +158,7 @@ class LearnerService:
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.metrics = LearnerMetrics()
+        self.started = time.time()
         self.stop = threading.Event()
         self.export_now = threading.Event()
         """Set (SIGUSR1, ``reval launch --export``): export an HF checkpoint before the next
@@ -237,8 +238,7 @@ class LearnerService:
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                 st = self.control.read()
                 self.seen = {"checkpoint": st.checkpoint, "export": st.export}
-                if st.phase == "stopping":  # a stop of an earlier start: this one runs
-                    self.client.hset(self.control.control, "phase", "running")
+                self.control.clear_stale_stop(self.started)  # (a stop of an earlier start)
                 self.control.record("learner_started", {"resume": resume})
                 if adopt_run(self.client, bc.key_prefix, cfg.name, cfg.model_dump(mode="json")):
                     log.info("run %s registered for the REST API", cfg.name)
@@ -366,8 +366,9 @@ class LearnerService:
                     if HPARAMS[k][3] == "learner" and self.hparams.get(k) != v
                 }  # fmt: skip
                 if todo["pause"] != self.paused:
-                    self.control.record("paused" if todo["pause"] else "resumed",
-                                        step=self.state.step)  # fmt: skip
+                    with contextlib.suppress(redis.RedisError):
+                        self.control.record("paused" if todo["pause"] else "resumed",
+                                            step=self.state.step)  # fmt: skip
         if self.world > 1:
             box = [todo]
             dist.broadcast_object_list(box, src=0)
@@ -394,7 +395,8 @@ class LearnerService:
             self.metrics.hparam.labels(name=name).set(float(value))
         if self.rank == 0:
             log.info("step %d: applied %s", self.state.step, values)
-            self.control.record("hparams_applied", values, step=self.state.step)
+            with contextlib.suppress(redis.RedisError):  # (the change itself is made)
+                self.control.record("hparams_applied", values, step=self.state.step)
 
     def export_path(self) -> Path:
         return self.run_dir / "exports" / f"step-{self.state.step:08d}"
@@ -621,10 +623,20 @@ class LearnerService:
             log.warning("could not publish the run status: %s", err)
 
 
+_EARLY_STOP: list[threading.Event] = []
+"""Set by a signal that arrives before a spawned rank's service exists (``_rank_main``)."""
+
+
 def _rank_main(
     rank: int, world: int, port: int, cfg_json: str, resume: bool, out: str, export: bool
 ) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # (its default ends the process) until set
+    # A Ctrl-C or SIGTERM while the rank starts (before the service's handlers exist) must not
+    # kill one rank and leave the others in a collective: remember it, stop once running.
+    early = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _s, _f: early.set())
+    _EARLY_STOP.append(early)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
@@ -679,6 +691,9 @@ def run_rank(
             signal.signal(signal.SIGUSR1, on_export)
         if on_service is not None:
             on_service(service)
+        if any(e.is_set() for e in _EARLY_STOP):
+            log.info("rank %d: a stop arrived while starting: checkpoint and stop", service.rank)
+            service.stop.set()
         if service.rank == 0 and cfg.metrics.prometheus_port is not None:
             from reval.ops_http import OpsServer
 

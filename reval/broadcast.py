@@ -240,7 +240,7 @@ class BroadcastReceiver:
         self.timeout_s = timeout_s
         self._latest: tuple[int, list[tuple[str, Tensor]], list[Tensor]] | None = None
         self._lent: list[Tensor] = []
-        self.pool = BufferPool(keep=1 << 20)  # (one version's buckets, however many)
+        self.pool = BufferPool(keep=1 << 12)  # (one released version's buckets)
         self._lock = threading.Lock()
         self.stop = threading.Event()
         self.received = 0

@@ -323,8 +323,9 @@ class EvalConfig(_Section):
 class RunConfig(_Section):
     """A whole run: every part reads its own section."""
 
-    name: str = "demo"
-    """Run name; the run directory is ``output_dir/name``."""
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    """Run name; the run directory is ``output_dir/name`` and it is part of every Redis key of
+    the run: letters, digits, ``.``, ``_``, ``-`` (no path separators, no braces)."""
     seed: int = 0
     """Seed of every random choice: the same seed gives the same curve."""
     output_dir: str = "runs"

@@ -18,6 +18,7 @@ The learner applies hyperparameters at its next step and records each change wit
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,13 @@ HPARAMS: dict[str, tuple[type, float, float, str]] = {
 """Hyperparameters that change without a restart. ``max_staleness = -1`` turns the check off."""
 
 EVENTS_MAXLEN = 10_000
+
+
+def _float(text: str | None) -> float | None:
+    try:
+        return None if text is None else float(text)
+    except ValueError:
+        return None
 
 
 def runs_key(prefix: str) -> str:
@@ -76,6 +84,8 @@ def validate_hparams(values: dict[str, Any]) -> dict[str, float | int]:
             raise ValueError(f"{name}: must be a number, got {value!r}")
         if kind is int and float(value) != int(value):
             raise ValueError(f"{name}: must be an integer, got {value!r}")
+        if not math.isfinite(float(value)):
+            raise ValueError(f"{name}: must be finite, got {value!r}")
         typed = int(value) if kind is int else float(value)
         if not (lo <= typed <= hi) or typed != typed:
             raise ValueError(f"{name}: {value!r} outside [{lo:g}, {hi:g}]")
@@ -90,6 +100,8 @@ class ControlState:
     checkpoint: int = 0
     export: int = 0
     hparams: dict[str, float | int] = field(default_factory=dict)
+    driver_seen: float | None = None
+    """When the ``reval launch`` driver of the run last went round its loop (its heartbeat)."""
 
 
 class RunControl:
@@ -172,7 +184,22 @@ class RunControl:
             checkpoint=int(raw.get("checkpoint", 0) or 0),
             export=int(raw.get("export", 0) or 0),
             hparams=hp,
+            driver_seen=_float(raw.get("driver_seen")),
         )
+
+    def clear_stale_stop(self, started: float) -> bool:
+        """A process that starts at ``started`` (epoch seconds) means to run: a stop requested
+        before it is over (phase back to running). A stop requested since is kept, so a stop
+        sent while the run was starting still stops it. True if it cleared one."""
+        if self.read().phase != "stopping":
+            return False
+        for _eid, fields in self.client.xrevrange(self.events_key, count=200):
+            if fields.get(b"kind") == b"request:stopping":
+                if float(fields.get(b"time", b"0")) >= started:
+                    return False
+                break
+        self.client.hset(self.control, "phase", "running")
+        return True
 
     def publish_status(self, status: dict[str, Any]) -> None:
         self.client.hset(

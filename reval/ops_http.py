@@ -37,6 +37,8 @@ class OpsServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = 10  # an idle connection does not hold its thread for ever
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":

@@ -33,7 +33,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.middleware.base import BaseHTTPMiddleware
 
 from reval import registry
 from reval.config import ApiConfig, BufferConfig, ConfigError, build_config
@@ -139,20 +138,53 @@ class Health(BaseModel):
 # -- the app ----------------------------------------------------------------------------------
 
 
-class _BodyLimit(BaseHTTPMiddleware):
-    def __init__(self, app: Any, limit: int) -> None:
-        super().__init__(app)
-        self.limit = limit
+class _BodyLimit:
+    """413 for a body over ``limit`` bytes: by its Content-Length up front, and for a chunked
+    body while it streams in (counted as it arrives, never buffered whole)."""
 
-    async def dispatch(self, request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, send: Any) -> None:
+        body = json.dumps({"detail": f"body over {self.limit} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return JSONResponse({"detail": f"body over {self.limit} bytes"}, status_code=413)
-        if length is None and request.method in ("POST", "PATCH", "PUT"):
-            body = await request.body()  # chunked: read it to know its size
-            if len(body) > self.limit:
-                return JSONResponse({"detail": f"body over {self.limit} bytes"}, status_code=413)
-        return await call_next(request)
+            await self._refuse(send)
+            return
+        seen = 0
+        started = refused = False
+
+        async def counted() -> Any:
+            nonlocal seen, refused
+            message = await receive()
+            if message["type"] == "http.request" and not refused:
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    # Answer 413 now and tell the app the client left (FastAPI would turn an
+                    # exception raised here into a 400).
+                    if not started:
+                        await self._refuse(send)
+                    refused = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def watched(message: Any) -> None:
+            nonlocal started
+            if refused:
+                return  # the app's own answer after the 413: dropped
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, counted, watched)
 
 
 class Store:
@@ -262,7 +294,16 @@ def create_app(
             alive = status.get("phase") not in FINISHED
             phase = status.get("phase", "starting")
         else:
-            alive = _pid_alive(pid)
+            # The launch driver's heartbeat in Redis (any API replica or host sees it); a local
+            # child's pid; or a start too recent for a first heartbeat.
+            now = time.time()
+            started_at = float(entry.get("started_at") or 0)
+            beat = ctl.driver_seen
+            alive = (
+                (beat is not None and now - beat < 30)
+                or _pid_alive(pid)
+                or (now - started_at < 120 and (beat is None or beat < started_at))
+            )
             phase = status.get("phase", "starting" if alive else "registered")
             if entry.get("started") and not alive and phase not in FINISHED:
                 phase = "failed"  # the launch process is gone without a final status
@@ -315,14 +356,15 @@ def create_app(
             env["RAY_ADDRESS"] = cfg.ray_address
         elif not env.get("RAY_ADDRESS"):
             env.pop("RAY_ADDRESS", None)  # (an empty one would not mean "local")
-        log_file = (run_dir / "launch.log").open("ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "launch", "--config", str(path)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # it outlives this API process
-        )
+        cmd = [sys.executable, "-m", "services.cli", "launch", "--config", str(path)]
+        if (run_dir / "checkpoints" / "latest").is_file():
+            cmd.append("--resume")  # a run started again continues from its checkpoint
+        with (run_dir / "launch.log").open("ab") as log_file:
+            proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )  # (it outlives this API process)
+        for pid in [p for p, c in app.state.children.items() if c.poll() is not None]:
+            del app.state.children[pid]  # reaped
         app.state.children[proc.pid] = proc
         return proc.pid
 
@@ -383,11 +425,15 @@ def create_app(
                                        "type": "value_error"}]) from None  # fmt: skip
         name = run_cfg.name
         old = store.get(name)
-        if old is not None:
-            if _pid_alive(old.get("pid")):
-                raise HTTPException(409, f"run {name!r} exists and is running")
-            if info(name, old).phase not in (*FINISHED, "registered"):
-                raise HTTPException(409, f"run {name!r} exists")
+        if old is not None and info(name, old).phase not in (*FINISHED, "registered"):
+            raise HTTPException(409, f"run {name!r} exists and is live")
+        if (run_cfg.run_dir / "checkpoints" / "latest").is_file():
+            raise HTTPException(409, f"run {name!r} has checkpoints in {run_cfg.run_dir}: "
+                                "POST /v1/runs/{name}/start continues it; a new run needs "
+                                "a new name")  # fmt: skip
+        # One creator at a time per name (two concurrent creates must not both launch).
+        if not store.client.set(f"{store.runs_key}:claim:{name}", "1", nx=True, ex=30):
+            raise HTTPException(409, f"run {name!r} is being created")
         control = store.control(name)
         control.clear()
         entry: dict[str, Any] = {
@@ -401,7 +447,9 @@ def create_app(
         if body.start:
             entry["pid"] = launch(name, entry)
             entry["started"] = True
+            entry["started_at"] = time.time()
         store.put(name, entry)
+        store.client.delete(f"{store.runs_key}:claim:{name}")
         return info(name, entry)
 
     @app.get("/v1/runs/{name}", response_model=RunInfo, dependencies=[Depends(read_auth)],
@@ -422,9 +470,15 @@ def create_app(
               dependencies=[Depends(write_auth)])  # fmt: skip
     def start_run(name: str) -> Accepted:
         entry, _ = act(name, "start", ("registered", *FINISHED))
-        store.control(name).client.hset(store.control(name).control, "phase", "running")
+        if not store.client.set(f"{store.runs_key}:claim:{name}", "1", nx=True, ex=30):
+            raise HTTPException(409, f"run {name!r} is being started")
+        control = store.control(name)
+        # The last start's final status goes: the run is starting again.
+        control.client.delete(control.status)
+        control.client.hset(control.control, "phase", "running")
         entry["pid"] = launch(name, entry)
         entry["started"] = True
+        entry["started_at"] = time.time()
         store.put(name, entry)
         store.control(name).record("start")
         return Accepted(run=name, action="start", detail={"pid": entry["pid"]})
@@ -433,13 +487,18 @@ def create_app(
               dependencies=[Depends(write_auth)])  # fmt: skip
     def pause_run(name: str) -> Accepted:
         act(name, "pause", ("starting", "running"))
+        if store.control(name).read().phase == "paused":
+            raise HTTPException(409, f"run {name!r} is already pausing")
         store.control(name).set_phase("paused")
         return Accepted(run=name, action="pause")
 
     @app.post("/v1/runs/{name}/resume", response_model=Accepted, status_code=202,
               dependencies=[Depends(write_auth)])  # fmt: skip
     def resume_run(name: str) -> Accepted:
-        act(name, "resume", ("paused",))
+        # (the learner reports "paused" one update after the request: the request decides)
+        act(name, "resume", ("starting", "running", "paused"))
+        if store.control(name).read().phase != "paused":
+            raise HTTPException(409, f"run {name!r} is not paused")
         store.control(name).set_phase("running")
         return Accepted(run=name, action="resume")
 
@@ -495,7 +554,11 @@ def create_app(
         if after != "-" and not _valid_stream_id(after):
             raise HTTPException(422, [{"loc": ["query", "after"], "msg": "not a stream id",
                                        "type": "value_error"}])  # fmt: skip
-        return [Event(**e) for e in store.control(name).events(count=count, after=after)]
+        try:
+            return [Event(**e) for e in store.control(name).events(count=count, after=after)]
+        except redis.ResponseError as err:  # an id Redis cannot take (too large)
+            raise HTTPException(422, [{"loc": ["query", "after"], "msg": str(err),
+                                       "type": "value_error"}]) from None  # fmt: skip
 
     return app
 

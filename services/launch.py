@@ -27,6 +27,7 @@ namespace=)``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -36,6 +37,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import redis
 
 from reval.config import RunConfig
 
@@ -189,6 +192,7 @@ class _Worker:
     actor: Any
     ref: Any
     pid: int | None = None
+    pid_ref: Any = None
     stopping: bool = False
     started: float = field(default_factory=time.time)
 
@@ -245,8 +249,9 @@ class Launch:
         self.state = "starting"
         self.metrics = LaunchMetrics()
         self.last_tick = time.monotonic()
-        import redis
-
+        self.started = time.time()
+        self.replace_after = 0.0  # (backoff of replacing workers that keep dying)
+        self.deaths: list[float] = []
         from reval.control import RunControl
 
         self.control = RunControl(
@@ -384,18 +389,31 @@ class Launch:
             except Exception as err:
                 self.dead_workers += 1
                 self.metrics.dead.inc()
+                # Workers that keep dying (a bad config, a broken node) are replaced with a
+                # growing delay (deaths in the last minute x 2 s, at most a minute).
+                now = time.monotonic()
+                self.deaths = [t for t in self.deaths if now - t < 60] + [now]
+                self.replace_after = now + min(60.0, 2.0 * (len(self.deaths) - 1))
                 log.error("worker %s died: %s", w.worker_id, str(err).splitlines()[0])
                 if not w.stopping and not self.cfg.launch.replace_dead_workers:
-                    self.control.set_workers(max(0, self._desired() - 1))
+                    with contextlib.suppress(redis.RedisError):
+                        self.control.set_workers(max(0, self._desired() - 1))
                 # (otherwise the desired count stays and _follow_control starts a new one)
             self.ray.kill(w.actor, no_restart=True)
 
     def _worker_pids(self) -> None:
+        """Each worker's pid, asked once, read when it answered (never waits)."""
+        asked = {}
         for w in self.workers.values():
             if w.pid is None:
-                ready, _ = self.ray.wait([w.actor.pid.remote()], timeout=0.2)
-                if ready:
-                    w.pid = int(self.ray.get(ready[0]))
+                if w.pid_ref is None:
+                    w.pid_ref = w.actor.pid.remote()
+                asked[w.pid_ref] = w
+        if asked:
+            ready, _ = self.ray.wait(list(asked), num_returns=len(asked), timeout=0)
+            for ref in ready:
+                with contextlib.suppress(Exception):  # a worker that died before answering
+                    asked[ref].pid = int(self.ray.get(ref))
 
     def health(self) -> tuple[bool, str]:
         idle = time.monotonic() - self.last_tick
@@ -455,7 +473,7 @@ class Launch:
             return
         if st.workers is not None and not self.stop_requested:
             live = [w for w in self.workers.values() if not w.stopping]
-            if st.workers > len(live):
+            if st.workers > len(live) and time.monotonic() >= self.replace_after:
                 self.add_workers(st.workers - len(live))
             elif st.workers < len(live):
                 self.remove_workers(len(live) - st.workers)
@@ -474,9 +492,11 @@ class Launch:
         if resume and not self._ckpt_exists():
             raise FileNotFoundError(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}")
         self.start_learner(resume)
-        # A launch means to run: a stop left by an earlier launch of this run is over.
-        self.control.client.hset(self.control.control, "phase", "running")
-        self.control.set_workers(cfg.launch.workers)  # _follow_control starts them
+        # A stop left by an earlier launch of this run is over (one sent since we started is
+        # kept: _follow_control stops the run).
+        self.control.clear_stale_stop(self.started)
+        if self.control.read().workers is None or not self.resume:
+            self.control.set_workers(cfg.launch.workers)  # _follow_control starts them
         self._follow_control()
         self.state = "running"
         ok = False
@@ -486,12 +506,17 @@ class Launch:
                 if outcome == "done":
                     ok = True
                     break
-                self._handle_requests()
-                self._follow_control()
+                try:
+                    self._handle_requests()
+                    self._follow_control()
+                except redis.RedisError as err:  # Redis away: try again next tick
+                    log.warning("run control unavailable: %s", err)
                 self._check_workers()
                 self._worker_pids()
                 self.mailbox.post.remote(self.status())
                 self.last_tick = time.monotonic()
+                with contextlib.suppress(Exception):  # the heartbeat the REST API reads
+                    self.control.client.hset(self.control.control, "driver_seen", time.time())
                 self.metrics.workers.set(len(self.workers))
                 self.metrics.desired.set(self._desired())
                 time.sleep(TICK_S)

@@ -346,12 +346,19 @@ class RolloutWorker:
         t0 = time.monotonic()
         warned = False
         while not self.stop.is_set():
+            self.last_tick = time.monotonic()  # (waiting is not being stuck: /healthz)
             if self._load(force=True):
                 self.metrics.weight_wait.inc(time.monotonic() - t0)
                 self.stats.weight_wait_s += time.monotonic() - t0
                 return True
             if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                 break
+            try:
+                if self.control.read().phase == "stopping":
+                    log.info("worker %s: the run stopped before any weights", self.worker_id)
+                    break
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass
             if not warned and time.monotonic() - t0 > 10:
                 log.info("worker %s: waiting for the learner's first weights", self.worker_id)
                 warned = True

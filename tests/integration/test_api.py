@@ -199,3 +199,39 @@ def test_restarted_api_sees_everything(client, api_cfg, monkeypatch):
     assert set(runs) == {"a", "b"}
     assert runs["a"]["step"] == 11 and runs["a"]["desired_workers"] == 5
     assert any(e["kind"] == "request:scale" for e in again.get("/v1/runs/a/events").json())
+
+
+def test_chunked_body_over_the_limit_is_refused_while_streaming(api_cfg, monkeypatch):
+    monkeypatch.setenv(api_cfg.token_env, TOKEN)
+    c = TestClient(create_app(api_cfg.model_copy(update={"max_body_bytes": 2048})))
+
+    def chunks():
+        for _ in range(100):
+            yield b"x" * 1024
+
+    r = c.post("/v1/runs", content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_run_names_are_checked(client):
+    for bad in ("../escape", "/abs", "a{b}", "", "x" * 80):
+        r = client.post("/v1/runs", json={"config": {"name": bad}, "start": False}, headers=AUTH)
+        assert r.status_code == 422, bad
+
+
+def test_start_again_resumes_and_recreate_is_refused(api_cfg, monkeypatch, tmp_path):
+    monkeypatch.setenv(api_cfg.token_env, TOKEN)
+    started: list[str] = []
+    c = TestClient(create_app(api_cfg, launcher=lambda name, path: started.append(name) or 0))
+    create(c, "again")
+    as_learner(api_cfg, "again", "stopped", step=9)
+    ckpt = tmp_path / "again" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest").write_text("step-00000009")
+    r = c.post("/v1/runs", json={"config": small("again"), "start": False}, headers=AUTH)
+    assert r.status_code == 409 and "start" in r.json()["detail"]
+    assert c.post("/v1/runs/again/start", headers=AUTH).status_code == 202
+    assert started == ["again"]
+    got = c.get("/v1/runs/again").json()
+    assert got["phase"] == "starting" and got["step"] is None  # the old final status is gone
+    assert c.post("/v1/runs/again/start", headers=AUTH).status_code == 409  # not twice

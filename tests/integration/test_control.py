@@ -58,7 +58,7 @@ def test_requests_are_read_back_and_logged(control):
         ({"beta": 0.0}, "outside"),
         ({"lr": 50.0}, "outside"),
         ({"ref_reset_steps": 2.5}, "integer"),
-        ({"temperature": float("nan")}, "outside"),
+        ({"temperature": float("nan")}, "finite"),
         ({"max_staleness": -2}, "outside"),
     ],
 )
