@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -80,6 +81,13 @@ def _parser() -> argparse.ArgumentParser:
                     "hub through the datasets library)")  # fmt: skip
     ev.add_argument("--out", help="results JSON (default: CHECKPOINT/eval.json or run_dir)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.add_argument("--follow", action="store_true", help="evaluate the run's policy as it trains "
+                    "(each announced version --every steps apart; results to run_dir/eval.jsonl, "
+                    "the run's events and reval_eval_* metrics)")  # fmt: skip
+    ev.add_argument("--every", type=int, default=10, help="with --follow: steps between "
+                    "evaluations (the paper: 10)")  # fmt: skip
+    ev.add_argument("--max-evals", type=int, help="with --follow: stop after this many")
+    ev.add_argument("--metrics-port", type=int, help="with --follow: serve reval_eval_* here")
     sv = sub.add_parser("serve", help="the REST control plane (FastAPI under uvicorn)")
     sv.add_argument("--host", help="listen address (default 127.0.0.1)")
     sv.add_argument("--port", type=int, help="port (default 8080)")
@@ -133,6 +141,8 @@ def _eval(cfg: Any, args: argparse.Namespace) -> int:
     if args.checkpoint:
         cfg.model.name_or_path = args.checkpoint
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    if args.follow:
+        return _eval_follow(cfg, args, names)
     if args.out:
         out = Path(args.out)
     elif cfg.model.name_or_path and Path(cfg.model.name_or_path).is_dir():
@@ -148,6 +158,33 @@ def _eval(cfg: Any, args: argparse.Namespace) -> int:
         return 2
     print(report["table"], end="")
     print(f"results: {out}")
+    return 0
+
+
+def _eval_follow(cfg: Any, args: argparse.Namespace, names: list[str]) -> int:
+    import signal
+    import threading
+
+    from services.evaluate import EvalMetrics, follow
+
+    if cfg.buffer.backend != "redis":
+        print("reval eval --follow: needs buffer.backend=redis (the run's Redis)", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _s, _f: stop.set())
+    metrics = EvalMetrics()
+    if args.metrics_port is not None:
+        from reval.ops_http import OpsServer
+
+        OpsServer(args.metrics_port, metrics.registry, cfg.metrics.addr)
+    try:
+        done = follow(cfg, names, args.data, args.every, args.max_evals, metrics=metrics,
+                      stop=stop)  # fmt: skip
+    except (ValueError, FileNotFoundError) as err:
+        print(f"reval eval: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"evaluated": [d["policy_version"] for d in done]}), flush=True)
     return 0
 
 

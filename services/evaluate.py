@@ -147,3 +147,113 @@ def run_eval(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     return report
+
+
+class EvalMetrics:
+    """``reval_eval_*``: the scores of the newest evaluated policy version."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        r = self.registry = CollectorRegistry()
+        self.score = Gauge("reval_eval_avg_at_k", "avg@k of the newest evaluated version",
+                           ["benchmark"], registry=r)  # fmt: skip
+        self.average = Gauge("reval_eval_average", "Mean avg@k over the benchmarks", registry=r)
+        self.version = Gauge("reval_eval_policy_version", "Policy version last evaluated",
+                             registry=r)  # fmt: skip
+        self.runs = Counter("reval_eval_runs", "Evaluations done", registry=r)
+
+
+def follow(
+    cfg: RunConfig,
+    benchmarks: list[str],
+    data_dir: str | None,
+    every: int,
+    max_evals: int | None = None,
+    poll_s: float = 2.0,
+    metrics: EvalMetrics | None = None,
+    stop: Any = None,
+) -> list[dict[str, Any]]:
+    """Evaluation during a run (``reval eval --follow``): whenever the learner has announced a
+    version at least ``every`` steps past the last one evaluated (the first: the first one
+    announced), load it and evaluate it; each result goes to ``run_dir/eval.jsonl``, the run's
+    event log (``eval``, with the version as its step) and ``reval_eval_*`` metrics. Runs beside
+    the learner like a rollout worker, so training never waits for it."""
+    import threading
+
+    import redis
+
+    from reval.control import RunControl
+    from reval.metrics import JsonlWriter
+    from reval.weight_sync import WeightStore
+    from rollout.verify import MathVerify, VerifierPool
+    from services.rollout import build_engine
+
+    unknown = [b for b in benchmarks if b not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown} (known: {', '.join(BENCHMARKS)})")
+    if every < 1:
+        raise ValueError("--every must be >= 1")
+    stop = stop or threading.Event()
+    b = cfg.buffer
+    client = redis.Redis.from_url(b.redis_url, socket_timeout=30)
+    store = WeightStore(client, b.key_prefix, cfg.name,
+                        cfg.sync.weights_dir or str(cfg.run_dir / "weights"))  # fmt: skip
+    control = RunControl(client, b.key_prefix, cfg.name)
+    engine, tokenizer = build_engine(cfg, cfg.seed)
+    e = cfg.eval
+    params = SamplingParams(n=e.samples_per_prompt, temperature=e.temperature, top_p=e.top_p,
+                            max_new_tokens=cfg.rollout.max_new_tokens)  # fmt: skip
+    loaded = [
+        load_benchmark(name, data_dir, e.max_problems, cfg.seed, cfg.task.template, tokenizer)
+        for name in benchmarks
+    ]
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    writer = JsonlWriter(cfg.run_dir / "eval.jsonl")
+    done: list[dict[str, Any]] = []
+    last: int | None = None
+    require_think = cfg.task.template == "r1_distill"
+    while not stop.is_set() and (max_evals is None or len(done) < max_evals):
+        try:
+            ann = store.latest()
+        except (redis.ConnectionError, redis.TimeoutError):
+            ann = None
+        if ann is None or (last is not None and ann.version < last + every):
+            stop.wait(poll_s)
+            continue
+        try:
+            tensors = store.load(ann)
+        except FileNotFoundError:  # pruned before we read it: the next one
+            stop.wait(poll_s)
+            continue
+        engine.load_weights(tensors, ann.version)
+        t0 = time.perf_counter()
+        results: dict[str, BenchmarkResult] = {}
+        for bench in loaded:
+            grader = MathVerify(require_think=require_think,
+                                multiple_choice=bench.spec.multiple_choice)  # fmt: skip
+            with VerifierPool(grader, workers=cfg.rollout.verifier_workers,
+                              timeout=cfg.rollout.verifier_timeout_s) as pool:  # fmt: skip
+                results[bench.spec.name] = evaluate_benchmark(
+                    bench, engine, tokenizer, pool, params, cfg.seed
+                )
+        scores = {n: r.avg_at_k for n, r in results.items()}
+        avg = float(np.mean(list(scores.values()))) if scores else 0.0
+        record = {"policy_version": ann.version, "k": params.n, "avg": avg, "scores": scores,
+                  "seconds": time.perf_counter() - t0, "time": time.time()}  # fmt: skip
+        writer.write(record)
+        try:
+            control.record("eval", {"avg": avg, "scores": scores, "k": params.n},
+                           step=ann.version)  # fmt: skip
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            log.warning("could not record the evaluation: %s", err)
+        if metrics is not None:
+            for n, v in scores.items():
+                metrics.score.labels(benchmark=n).set(v)
+            metrics.average.set(avg)
+            metrics.version.set(ann.version)
+            metrics.runs.inc()
+        log.info("eval of v%d: avg@%d %.3f %s", ann.version, params.n, avg, scores)
+        done.append(record)
+        last = ann.version
+    return done

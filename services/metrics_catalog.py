@@ -37,10 +37,12 @@ def registries() -> dict[str, CollectorRegistry]:
     VerifierMetrics(rollout.registry)
     train = TrainMetrics()
     BufferMetrics(train.registry)
+    from services.evaluate import EvalMetrics
     from services.launch import LaunchMetrics
 
     return {
         "launch": LaunchMetrics().registry,
+        "eval": EvalMetrics().registry,
         "learner": learner.registry,
         "rollout": rollout.registry,
         "train": train.registry,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +140,53 @@ def test_reval_eval_on_a_saved_checkpoint(tmp_path):
                           "--benchmarks", "mmlu", "--data", str(data)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "unknown benchmark" in bad.stderr
+
+
+@pytest.mark.timeout(300)
+def test_eval_follows_a_run(tmp_path, redis_url, redis_prefix):
+    """`reval eval --follow`: evaluates announced versions at least --every steps apart, into
+    run_dir/eval.jsonl and the run's events."""
+    import redis
+
+    from reval.control import RunControl
+    from reval.metrics import read_jsonl
+    from reval.weight_sync import WeightStore
+
+    (tmp_path / "bench").mkdir()
+    data = sample_data(tmp_path / "bench")
+    policy = load_policy(ModelConfig(device="cpu"), seed=0)
+    client = redis.Redis.from_url(redis_url)
+    store = WeightStore(client, redis_prefix, "ev", tmp_path / "ev" / "weights")
+    store.publish(policy.model.state_dict().items(), 0)
+    sets = ["buffer.backend=redis", f"buffer.redis_url={redis_url}",
+            f"buffer.key_prefix={redis_prefix}", f"output_dir={tmp_path}", "name=ev",
+            "eval.samples_per_prompt=2", "rollout.max_new_tokens=4",
+            "rollout.verifier_workers=1"]  # fmt: skip
+    cmd = [sys.executable, "-m", "services.cli", "eval", "--follow", "--every", "5",
+           "--max-evals", "2", "--benchmarks", "aime24", "--data", str(data)]  # fmt: skip
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    log = tmp_path / "ev" / "eval.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.is_file() and read_jsonl(log)):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        store.publish(policy.model.state_dict().items(), 3)  # too close to 0: skipped
+        time.sleep(4)
+        assert len(read_jsonl(log)) == 1
+        store.publish(policy.model.state_dict().items(), 5)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"evaluated": [0, 5]}
+    rows = read_jsonl(log)
+    assert [r["policy_version"] for r in rows] == [0, 5]
+    assert all(0 <= r["scores"]["aime24"] <= 1 and r["k"] == 2 for r in rows)
+    events = [e for e in RunControl(client, redis_prefix, "ev").events() if e["kind"] == "eval"]
+    assert [e["step"] for e in events] == [0, 5]
