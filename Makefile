@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The torch-free packages that mypy checks strictly.
 LIGHT := reval/config.py reval/rewards.py reval/metrics.py buffer
 
-.PHONY: demo test lint unit venv clean
+.PHONY: demo test lint unit venv clean oneshot
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +19,9 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/reval train
+
+oneshot: $(STAMP)
+	$(BIN)/reval experiment oneshot --out docs/oneshot
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

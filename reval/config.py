@@ -211,6 +211,9 @@ class LearnerConfig(_Section):
     """Copy the policy into the reference every this many rounds (the paper: 200; 0 = never)."""
     checkpoint_every: int = Field(0, ge=0)
     """Save a checkpoint every this many rounds (0: only at the end)."""
+    stop_at_success: float | None = Field(None, gt=0, le=1)
+    """``reval train`` on the one-shot task: stop once the exact success rate reaches this (the
+    one-shot study's rounds-to-threshold)."""
 
 
 class AlgoConfig(_Section):

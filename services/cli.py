@@ -88,6 +88,15 @@ def _parser() -> argparse.ArgumentParser:
                     "evaluations (the paper: 10)")  # fmt: skip
     ev.add_argument("--max-evals", type=int, help="with --follow: stop after this many")
     ev.add_argument("--metrics-port", type=int, help="with --follow: serve reval_eval_* here")
+    ex = sub.add_parser("experiment", help="the paper's experiments at CPU scale")
+    ex.add_argument("name", choices=["oneshot"], help="oneshot: the off-policy data study")
+    ex.add_argument("--seeds", type=int, default=5, help="seeds per cell")
+    ex.add_argument("--lr", type=float, default=1e-3, help="the learning rate every method shares")
+    ex.add_argument("--max-rounds", type=int, default=100, help="rounds before giving up")
+    ex.add_argument("--difficulties", default="hard,medium,easy")
+    ex.add_argument("--methods", default="grpo,reval-1,reval-2,reval-4,reval-8")
+    ex.add_argument("--out", default="docs/oneshot", help="where the table, JSON and PNG go")
+    _config_args(ex, "override a field of configs/oneshot.toml (repeatable)")
     sv = sub.add_parser("serve", help="the REST control plane (FastAPI under uvicorn)")
     sv.add_argument("--host", help="listen address (default 127.0.0.1)")
     sv.add_argument("--port", type=int, help="port (default 8080)")
@@ -107,6 +116,29 @@ def _parser() -> argparse.ArgumentParser:
 
     add_runs(sub)
     return p
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.experiments import DIFFICULTIES, METHODS, oneshot_study
+
+    diffs = tuple(d for d in args.difficulties.split(",") if d)
+    methods = tuple(m for m in args.methods.split(",") if m)
+    bad = [d for d in diffs if d not in DIFFICULTIES] + [m for m in methods if m not in METHODS]
+    if bad or args.seeds < 1:
+        print(f"reval experiment: unknown {bad} (difficulties {list(DIFFICULTIES)}, methods "
+              f"{list(METHODS)}) or --seeds < 1", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        report = oneshot_study(Path(args.out), args.seeds, args.lr, args.max_rounds,
+                               difficulties=diffs, methods=methods, config=args.config,
+                               overrides=tuple(args.overrides))  # fmt: skip
+    except ConfigError as err:
+        print(f"reval experiment: {err}", file=sys.stderr)
+        return 2
+    print(report["table"], end="")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -217,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.command == "serve":
         return _serve(args)
+    if args.command == "experiment":
+        return _experiment(args)
     if args.command == "runs":
         from services.client import run as runs_main
 

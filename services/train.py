@@ -89,6 +89,27 @@ def build_policy_and_task(cfg: RunConfig) -> tuple[Policy, Task, dict[str, float
     return policy, task, info
 
 
+def _exact_success(task: Any, policy: Any) -> Callable[[], float] | None:
+    """The one-shot task's success rate computed exactly: the policy's probability of
+    answering one of the accepted codes (no sampling noise decides when it crosses 0.95)."""
+    from rollout.tasks import OneShotTask, code_probabilities
+
+    if not isinstance(task, OneShotTask):
+        return None
+    accepted = sorted(task.verifier.accepted)
+
+    def exact() -> float:
+        was = policy.model.training
+        policy.model.eval()
+        try:
+            probs = code_probabilities(policy, task.prompts[0].text, accepted)
+        finally:
+            policy.model.train(was)
+        return float(sum(probs.values()))
+
+    return exact
+
+
 def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
     """Run the configured training; ``progress`` is called with each round's record."""
     run_dir = cfg.run_dir
@@ -130,10 +151,13 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
             seed=cfg.seed * 1000003 + round_idx,
         )
 
+    exact = _exact_success(task, policy)
     history: list[dict[str, Any]] = []
     initial = run_eval(0)
     metrics.success.set(initial)
     record0 = {"round": 0, "eval_success": initial, "policy_version": 0, **info}
+    if exact is not None:
+        record0["success_exact"] = exact()
     history.append(record0)
     if writer:
         writer.write(record0)
@@ -211,6 +235,8 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
             "elapsed_s": time.perf_counter() - t_start,
             **upd,
         }
+        if exact is not None:
+            record["success_exact"] = exact()
         if (cfg.eval.every and rnd % cfg.eval.every == 0) or rnd == cfg.learner.rounds:
             success = run_eval(rnd)
             record["eval_success"] = success
@@ -229,6 +255,12 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
             progress(record)
         if cfg.learner.checkpoint_every and rnd % cfg.learner.checkpoint_every == 0:
             save_checkpoint(run_dir / f"checkpoint-{rnd}", policy, learner, rnd)
+        stop_at = cfg.learner.stop_at_success
+        if stop_at is not None and record.get("success_exact", 0.0) >= stop_at:
+            log.info("round %d: exact success %.3f >= %.2f: done", rnd,
+                     record["success_exact"], stop_at)  # fmt: skip
+            success = record["eval_success"] if "eval_success" in record else run_eval(rnd)
+            break
     if writer:
         writer.close()
     ckpt = save_checkpoint(run_dir / "final", policy, learner, cfg.learner.rounds)
@@ -239,7 +271,8 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
     summary = {
         "initial_success": initial,
         "final_success": success,
-        "rounds": cfg.learner.rounds,
+        "rounds": history[-1]["round"],
+        "success_exact": history[-1].get("success_exact"),
         "policy_version": learner.step,
         "skipped_steps": learner.skipped_steps,
     }
