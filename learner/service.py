@@ -702,6 +702,7 @@ def run_rank(
         state = service.run()
         if service.rank == 0 and out:
             Path(out).write_text(json.dumps(state.__dict__))
+        dist.barrier()  # every rank is done before any tears its process group down
         return state
     finally:
         dist.destroy_process_group()

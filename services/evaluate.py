@@ -89,14 +89,10 @@ def table(results: dict[str, BenchmarkResult]) -> str:
     return f"| {head} | Avg |\n|{'---|' * (len(cols) + 1)}\n| {row} | {avg:.1f} |\n"
 
 
-def run_eval(
-    cfg: RunConfig,
-    benchmarks: list[str],
-    data_dir: str | None,
-    out: Path,
-    progress: bool = True,
-) -> dict[str, Any]:
-    from rollout.verify import MathVerify, VerifierPool
+def _prepare(
+    cfg: RunConfig, benchmarks: list[str], data_dir: str | None
+) -> tuple[Any, Any, SamplingParams, list[Benchmark]]:
+    """The engine, its tokenizer, the sampling of the evaluation and the loaded benchmarks."""
     from services.rollout import build_engine
 
     unknown = [b for b in benchmarks if b not in BENCHMARKS]
@@ -110,25 +106,45 @@ def run_eval(
         load_benchmark(b, data_dir, e.max_problems, cfg.seed, cfg.task.template, tokenizer)
         for b in benchmarks
     ]
+    return engine, tokenizer, params, loaded
+
+
+def _evaluate_all(
+    cfg: RunConfig, loaded: list[Benchmark], engine: Any, tokenizer: Any,
+    params: SamplingParams, bar: Any = None,
+) -> dict[str, BenchmarkResult]:  # fmt: skip
+    """Every benchmark, graded by the training verifier (a process pool per benchmark)."""
+    from rollout.verify import MathVerify, VerifierPool
+
+    results: dict[str, BenchmarkResult] = {}
+    require_think = cfg.task.template == "r1_distill"
+    for bench in loaded:
+        grader = MathVerify(require_think=require_think,
+                            multiple_choice=bench.spec.multiple_choice)  # fmt: skip
+        with VerifierPool(grader, workers=cfg.rollout.verifier_workers,
+                          timeout=cfg.rollout.verifier_timeout_s) as pool:  # fmt: skip
+            got = evaluate_benchmark(bench, engine, tokenizer, pool, params, cfg.seed, progress=bar)
+        results[bench.spec.name] = got
+        log.info("%s: avg@%d %.3f over %d problems", got.name, got.k, got.avg_at_k,
+                 got.problems)  # fmt: skip
+    return results
+
+
+def run_eval(
+    cfg: RunConfig,
+    benchmarks: list[str],
+    data_dir: str | None,
+    out: Path,
+    progress: bool = True,
+) -> dict[str, Any]:
+    engine, tokenizer, params, loaded = _prepare(cfg, benchmarks, data_dir)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=sum(len(b.problems) for b in loaded), desc="eval", unit="problem")
-    results: dict[str, BenchmarkResult] = {}
-    require_think = cfg.task.template == "r1_distill"
     try:
-        for bench in loaded:
-            grader = MathVerify(require_think=require_think,
-                                multiple_choice=bench.spec.multiple_choice)  # fmt: skip
-            with VerifierPool(grader, workers=cfg.rollout.verifier_workers,
-                              timeout=cfg.rollout.verifier_timeout_s) as pool:  # fmt: skip
-                results[bench.spec.name] = evaluate_benchmark(
-                    bench, engine, tokenizer, pool, params, cfg.seed, progress=bar
-                )
-            got = results[bench.spec.name]
-            log.info("%s: avg@%d %.3f over %d problems", got.name, got.k, got.avg_at_k,
-                     got.problems)  # fmt: skip
+        results = _evaluate_all(cfg, loaded, engine, tokenizer, params, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -138,7 +154,7 @@ def run_eval(
         "temperature": params.temperature,
         "top_p": params.top_p,
         "max_new_tokens": params.max_new_tokens,
-        "max_problems": e.max_problems,
+        "max_problems": cfg.eval.max_problems,
         "seed": cfg.seed,
         "benchmarks": {n: r.__dict__ for n, r in results.items()},
         "avg": float(np.mean([r.avg_at_k for r in results.values()])) if results else 0.0,
@@ -186,12 +202,7 @@ def follow(
     from reval.control import RunControl
     from reval.metrics import JsonlWriter
     from reval.weight_sync import WeightStore
-    from rollout.verify import MathVerify, VerifierPool
-    from services.rollout import build_engine
 
-    unknown = [b for b in benchmarks if b not in BENCHMARKS]
-    if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown} (known: {', '.join(BENCHMARKS)})")
     if every < 1:
         raise ValueError("--every must be >= 1")
     stop = stop or threading.Event()
@@ -200,19 +211,11 @@ def follow(
     store = WeightStore(client, b.key_prefix, cfg.name,
                         cfg.sync.weights_dir or str(cfg.run_dir / "weights"))  # fmt: skip
     control = RunControl(client, b.key_prefix, cfg.name)
-    engine, tokenizer = build_engine(cfg, cfg.seed)
-    e = cfg.eval
-    params = SamplingParams(n=e.samples_per_prompt, temperature=e.temperature, top_p=e.top_p,
-                            max_new_tokens=cfg.rollout.max_new_tokens)  # fmt: skip
-    loaded = [
-        load_benchmark(name, data_dir, e.max_problems, cfg.seed, cfg.task.template, tokenizer)
-        for name in benchmarks
-    ]
+    engine, tokenizer, params, loaded = _prepare(cfg, benchmarks, data_dir)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     writer = JsonlWriter(cfg.run_dir / "eval.jsonl")
     done: list[dict[str, Any]] = []
     last: int | None = None
-    require_think = cfg.task.template == "r1_distill"
     while not stop.is_set() and (max_evals is None or len(done) < max_evals):
         try:
             ann = store.latest()
@@ -228,15 +231,7 @@ def follow(
             continue
         engine.load_weights(tensors, ann.version)
         t0 = time.perf_counter()
-        results: dict[str, BenchmarkResult] = {}
-        for bench in loaded:
-            grader = MathVerify(require_think=require_think,
-                                multiple_choice=bench.spec.multiple_choice)  # fmt: skip
-            with VerifierPool(grader, workers=cfg.rollout.verifier_workers,
-                              timeout=cfg.rollout.verifier_timeout_s) as pool:  # fmt: skip
-                results[bench.spec.name] = evaluate_benchmark(
-                    bench, engine, tokenizer, pool, params, cfg.seed
-                )
+        results = _evaluate_all(cfg, loaded, engine, tokenizer, params)
         scores = {n: r.avg_at_k for n, r in results.items()}
         avg = float(np.mean(list(scores.values()))) if scores else 0.0
         record = {"policy_version": ann.version, "k": params.n, "avg": avg, "scores": scores,
