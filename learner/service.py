@@ -232,8 +232,6 @@ class LearnerService:
             log.info("broadcast hub (%s) on port %d", hub_backend, self.hub.port)
         self.broadcast_to = 0
         self.saved_step = -1
-        # (the status shows them after every update: listed once here, not globbed each time)
-        self.checkpoints = sorted(p.name for p in self.ckpt_dir.glob("step-*"))
         self.control = RunControl(self.client, bc.key_prefix, cfg.name)
         self.seen = {"checkpoint": 0, "export": 0}
         if self.rank == 0:  # requests made before this learner started are not replayed
@@ -301,8 +299,6 @@ class LearnerService:
             (self.ckpt_dir / "latest").write_text(path.name)
         dist.barrier()
         self.saved_step = self.state.step
-        if path.name not in self.checkpoints:
-            self.checkpoints.append(path.name)
         log.info("checkpoint %s", path)
         return path
 
@@ -617,7 +613,7 @@ class LearnerService:
             "updates": self.state.updates,
             "policy_version": self.state.step,
             "hparams": {k: v for k, v in self.hparams.items() if v is not None},
-            "checkpoints": self.checkpoints[-5:],
+            "checkpoints": sorted(p.name for p in self.ckpt_dir.glob("step-*"))[-5:],
         }
         if last is not None:
             status["last"] = last

@@ -34,6 +34,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -470,8 +471,6 @@ class Launch:
         if st.phase == "stopping":
             self.request_stop()
             return
-        if st.workers is not None:
-            self.metrics.desired.set(st.workers)
         if st.workers is not None and not self.stop_requested:
             live = [w for w in self.workers.values() if not w.stopping]
             if st.workers > len(live) and time.monotonic() >= self.replace_after:
@@ -519,6 +518,7 @@ class Launch:
                 with contextlib.suppress(Exception):  # the heartbeat the REST API reads
                     self.control.client.hset(self.control.control, "driver_seen", time.time())
                 self.metrics.workers.set(len(self.workers))
+                self.metrics.desired.set(self._desired())
                 time.sleep(TICK_S)
         finally:
             self.state = "draining"
@@ -620,3 +620,20 @@ def _recorded_address(cfg: RunConfig) -> tuple[str | None, str | None]:
         return None, None
     address, mode = (x.decode() if x else None for x in raw)
     return address, mode
+
+
+def wait_status(
+    cfg: RunConfig, predicate: Any, timeout_s: float, poll_s: float = 0.5
+) -> dict[str, Any]:
+    """Poll a launched run's status until ``predicate(status)`` holds (tests, scripts)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = control(cfg)
+        if predicate(status):
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"status never matched: {status}")
+        time.sleep(poll_s)
+
+
+__all__: Sequence[str] = ["Launch", "control", "launch", "mailbox_name", "wait_status"]
