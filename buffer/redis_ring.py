@@ -11,12 +11,17 @@ held). The learner's ``sample`` keeps retrying until its timeout, then raises Sa
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import functools
+import hashlib
+import itertools
 import logging
 import math
 import random
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ import numpy as np
 import redis
 from redis.exceptions import BusyLoadingError, ExecAbortError, NoScriptError, ResponseError
 
+from buffer import resp
 from buffer.base import (
     BufferStats,
     BufferUnavailable,
@@ -55,21 +61,25 @@ CHUNK_RECORDS = 2048
 
 
 class RunKeys(NamedTuple):
-    """A run's keys, in the order the scripts take them (``rec`` is the records' key prefix)."""
+    """A run's keys, in the order the scripts take them (``rec`` is the chunks' key prefix)."""
 
     meta: str
-    ids: str
+    dig: str
     tree: str
-    sid: str
-    sver: str
-    suse: str
-    sref: str
+    ver: str
+    use: str
+    chunks: str
     rec: str
 
     @property
     def stored(self) -> list[str]:
-        """The keys other than the records'."""
-        return list(self[:7])
+        """The keys other than the record chunks' (and the stages')."""
+        return list(self[:6])
+
+    @property
+    def stage(self) -> str:
+        """The prefix of the stage hashes that producers write chunks to."""
+        return self.rec[: -len("r:")] + "stage:"
 
 
 def run_keys(prefix: str, run: str) -> RunKeys:
@@ -77,7 +87,40 @@ def run_keys(prefix: str, run: str) -> RunKeys:
     if not run or any(c in run for c in "{}: \n"):
         raise ValueError(f"run id must be non-empty without braces, colons or spaces: {run!r}")
     base = f"{prefix}{{{run}}}:"
-    return RunKeys._make([*(base + k for k in RunKeys._fields[:7]), base + "r:"])
+    return RunKeys._make([*(base + k for k in RunKeys._fields[:6]), base + "r:"])
+
+
+class _ChunkIndex:
+    """The client's copy of the run's chunk list (first position -> end), kept in step with
+    the ``chunks`` sorted set: chunks never change once inserted, so each sample only asks for
+    those newer than the newest it knows, and forgets those below the tail."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    @property
+    def newest(self) -> int:
+        return self.starts[-1] if self.starts else -1
+
+    def add(self, flat: Sequence[Any]) -> None:
+        """``flat`` = [end, start, end, start, ...] as ZRANGEBYSCORE ... WITHSCORES gives."""
+        for k in range(0, len(flat), 2):
+            start = int(float(flat[k + 1]))
+            if start > self.newest:
+                self.starts.append(start)
+                self.ends.append(int(flat[k]))
+
+    def forget_below(self, tail: int) -> None:
+        drop = bisect.bisect_right(self.ends, tail)
+        if drop:
+            del self.starts[:drop], self.ends[:drop]
+
+    def start_of(self, pos: int) -> int | None:
+        i = bisect.bisect_right(self.starts, pos) - 1
+        if i < 0 or pos >= self.ends[i]:
+            return None
+        return self.starts[i]
 
 
 def _glob_escape(text: str) -> str:
@@ -105,15 +148,24 @@ def _apply_ref(t: Trajectory, packed: bytes | None) -> None:
 
 @dataclass
 class _Chunk:
-    """One insert round trip: the records' bytes by key, and the INSERT script's arguments."""
+    """One insert round trip: the records' bytes, ids and policy versions."""
 
-    records: dict[str, bytes]
-    args: list[Any]
+    blobs: list[bytes]
+    ids: list[str]
+    versions: list[int]
     nbytes: int
+    stage: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    """Names the stage hash: fixed per chunk, so a resend rewrites the same one."""
 
     @property
     def count(self) -> int:
-        return len(self.records)
+        return len(self.blobs)
+
+    def script_args(self, prioritized: bool) -> list[Any]:
+        """The INSERT script's arguments after the capacity."""
+        digest = hashlib.blake2b("\0".join(self.ids).encode(), digest_size=16).hexdigest()
+        vblob = (np.asarray(self.versions, dtype=np.int64) + 1).astype(">u4").tobytes()
+        return [self.count, int(prioritized), digest, vblob]
 
 
 class RedisRing:
@@ -176,6 +228,12 @@ class RedisRing:
         self._sender: threading.Thread | None = None
         self.spool_dropped = 0
         self._down_since: float | None = None
+        self._index = _ChunkIndex()
+        self._index_lock = threading.Lock()
+        # Trajectory id -> position, for write_back and update_priorities (the learner passes
+        # back trajectories it sampled); filled by insert, sample and items, bounded.
+        self._where: dict[str, int] = {}
+        self._where_max = max(4 * capacity, 1 << 16)
         self._scripts = {
             name: self.client.register_script(src)
             for name, src in (
@@ -192,7 +250,7 @@ class RedisRing:
         try:
             if reset:
                 self._retry(self._delete, open_retry_s)
-            self._script("open", [], retry_s=open_retry_s)
+            self._open(open_retry_s)
         except BufferUnavailable as err:
             if reset:
                 raise
@@ -205,6 +263,18 @@ class RedisRing:
             self._sender.start()
 
     # -- plumbing -------------------------------------------------------------------------------
+
+    def _open(self, retry_s: float) -> None:
+        self._script("open", [], retry_s=retry_s)
+
+    def _remember(self, ids: Sequence[str], positions: Sequence[int]) -> None:
+        where = self._where
+        for tid, pos in zip(ids, positions, strict=True):
+            where[tid] = pos
+        excess = len(where) - self._where_max
+        if excess > 0:
+            for tid in list(itertools.islice(where, excess)):
+                del where[tid]
 
     def _script(self, name: str, args: Sequence[Any], retry_s: float | None = None) -> Any:
         return self._retry(
@@ -248,6 +318,29 @@ class RedisRing:
             self._down_since = time.monotonic()
             log.warning("Redis call failed (run %s), retrying with backoff: %s", self.run, err)
 
+    def _transact(self, commands: Sequence[bytes]) -> list[Any]:
+        """Send packed commands as one MULTI/EXEC on a pooled connection and return EXEC's
+        replies (an error among them is raised). The connection is dropped on any failure, so
+        no half-read reply can reach its next user."""
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([b"".join([resp.MULTI, *commands, resp.EXEC])])  # type: ignore[no-untyped-call]
+            for _ in range(len(commands) + 1):  # OK, then QUEUED per command
+                conn.read_response()
+            res = conn.read_response()
+        except BaseException:
+            conn.disconnect()  # type: ignore[no-untyped-call]
+            raise
+        finally:
+            pool.release(conn)
+        if not isinstance(res, list):
+            raise redis.ResponseError(f"EXEC answered {res!r}")
+        for r in res:
+            if isinstance(r, Exception):
+                raise r
+        return res
+
     @property
     def capacity(self) -> int:
         return self._capacity
@@ -262,28 +355,28 @@ class RedisRing:
 
     def insert(self, trajectories: Sequence[Trajectory]) -> int:
         """Validate and encode all, then insert in order: per chunk of at most 8 MB, one
-        MULTI/EXEC round trip of MSET (the records' bytes) and the INSERT script (the ring's
-        bookkeeping). When Redis is unreachable the batch goes to the local spool and 0 is
-        returned (``spooled`` says how many wait); spooled chunks are sent first on the next
-        call, and by ``flush``/``close``. With ``background=True`` every batch goes through the
-        spool and a sender thread, so encoding the next batch overlaps this one's round trip;
-        insert then returns 0 (evictions are in ``stats`` and the metrics)."""
+        MULTI/EXEC round trip (an HSET of the records to a stage hash, then the INSERT script,
+        which gives them their positions). When Redis is unreachable the batch goes to the local
+        spool and 0 is returned (``spooled`` says how many wait); spooled chunks are sent first
+        on the next call, and by ``flush``/``close``. With ``background=True`` every batch goes
+        through the spool and a sender thread, so encoding the next batch overlaps this one's
+        round trip; insert then returns 0 (evictions are in ``stats`` and the metrics)."""
         try:
             blobs = encode_many(trajectories)
         except RecordError as err:
             self._count_rejected(1)
             raise RecordError(f"{err}; batch not written") from None
         with self._spool_lock:
-            rec = self.keys.rec
-            chunk = _Chunk({}, [int(self.prioritized)], 0)
+            chunk = _Chunk([], [], [], 0)
             for t, b in zip(trajectories, blobs, strict=True):
-                chunk.records[rec + t.traj_id] = b
-                chunk.args += [t.traj_id, t.policy_version]
+                chunk.blobs.append(b)
+                chunk.ids.append(t.traj_id)
+                chunk.versions.append(t.policy_version)
                 chunk.nbytes += len(b)
-                if chunk.nbytes >= CHUNK_BYTES or len(chunk.records) >= CHUNK_RECORDS:
+                if chunk.nbytes >= CHUNK_BYTES or len(chunk.blobs) >= CHUNK_RECORDS:
                     self._spool_push(chunk)
-                    chunk = _Chunk({}, [int(self.prioritized)], 0)
-            if chunk.records:
+                    chunk = _Chunk([], [], [], 0)
+            if chunk.blobs:
                 self._spool_push(chunk)
         if self.background:
             self._wake.set()
@@ -355,7 +448,7 @@ class RedisRing:
                         break
                     chunk = self._inflight = self._spool[0]
                 try:
-                    inserted, ev, _dup, size = self._retry(
+                    inserted, ev, _dup, size, first = self._retry(
                         functools.partial(self._send, chunk),
                         max(0.0, deadline - time.monotonic()),
                     )
@@ -368,6 +461,7 @@ class RedisRing:
                     self._spool.popleft()  # still the head: pushes append, drops spare it
                     self._spool_bytes -= chunk.nbytes
                 evicted += int(ev)
+                self._remember(chunk.ids, range(int(first), int(first) + chunk.count))
                 if self.metrics is not None:
                     self.metrics.inserts.inc(int(inserted))
                     self.metrics.evictions.inc(int(ev))
@@ -376,19 +470,21 @@ class RedisRing:
         return evicted
 
     def _send(self, chunk: _Chunk) -> list[Any]:
-        # EVALSHA by hand: redis-py's Script in a pipeline asks SCRIPT EXISTS first, one more
-        # round trip per chunk. A Redis that lost its script cache (a restart) answers NOSCRIPT
-        # and the transaction is discarded whole: load and send again.
-        script = self._scripts["insert"]
+        # One MULTI/EXEC: a plain HSET writes the records to the chunk's stage hash (record bytes
+        # never pass through Lua, which costs ~3.4 us per 2 KB record), then the INSERT script
+        # gives the chunk its positions and renames the stage into the ring. A Redis that lost
+        # its script cache (a restart) answers NOSCRIPT: load and send again (the same stage
+        # key, rewritten whole).
+        sha = self._scripts["insert"].sha
+        stage = self.keys.stage + chunk.stage
+        hset = resp.hset_indexed(stage, chunk.blobs)
+        script = resp.pack(
+            "EVALSHA", sha, len(self.keys) + 1, *self.keys, stage, self._capacity,
+            *chunk.script_args(self.prioritized),
+        )  # fmt: skip
         for attempt in range(2):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.mset(chunk.records)
-            pipe.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", script.sha, len(self.keys), *self.keys, self._capacity, *chunk.args
-            )
             try:
-                out: list[Any] = pipe.execute()[-1]
-                return out
+                return list(self._transact([hset, script])[-1])
             except (NoScriptError, ExecAbortError):
                 if attempt:
                     raise
@@ -425,6 +521,12 @@ class RedisRing:
         self._retry(lambda: self.client.hset(self.keys.meta, "version", int(version)), self.retry_s)
 
     def sample(self, batch_size: int, timeout: float = 0.0) -> SampledBatch:
+        """The SAMPLE script drops the too-stale oldest, checks the window and the rate limiter
+        and counts the batch (O(1)); the client draws B distinct positions of the window (the
+        script's sum-tree walk does when prioritized), then one MULTI/EXEC reads their records,
+        reference quantities and the tail, and counts their uses. Positions that turn out
+        unusable (evicted since the draw, emptied, stale within the window, corrupt) give their
+        count back and are drawn again from the rest of the window."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if batch_size > self._capacity:
@@ -439,6 +541,8 @@ class RedisRing:
         trajs: list[Trajectory] = []
         probs: list[float] = []
         versions: list[int] = []
+        positions_out: list[int] = []
+        drawn: set[int] = set()
         version = size = skipped = 0
         while len(trajs) < batch_size:
             need = batch_size - len(trajs)
@@ -450,52 +554,86 @@ class RedisRing:
                 self.min_size_to_sample if not trajs else 0,
                 -1 if self.max_staleness is None else self.max_staleness,
                 int(self.prioritized),
+                self._index.newest,
+                *(sorted(drawn) if self.prioritized else ()),
             ]
             try:
                 out = self._script("sample", args, retry_s=max(0.0, deadline - time.monotonic()))
             except BufferUnavailable as err:
                 raise SampleTimeout(str(err)) from err
+            reason = None
+            positions: list[int] | None = None
             if int(out[0]) == 0:
                 dropped += int(out[2])
+                reason = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
+            else:
+                version, head, tail = (int(x) for x in out[1:4])
+                dropped += int(out[4])
+                size = head - tail
+                with self._index_lock:
+                    self._index.add(out[5])
+                    self._index.forget_below(tail)
+                if self.prioritized:
+                    positions, ps = [int(p) for p in out[6]], [float(p) for p in out[7]]
+                else:
+                    positions, ps = self._draw(need, tail, head, drawn), []
+                    if positions is None:
+                        self._give_back([], need, 0)
+                        within = (
+                            "within max_staleness"
+                            if self.max_staleness is not None
+                            else "usable (emptied ones are skipped)"
+                        )
+                        reason = f"fewer than {batch_size} trajectories {within} in {size} held"
+            if positions is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise SampleTimeout(out[1].decode() if isinstance(out[1], bytes) else out[1])
+                    raise SampleTimeout(reason)
                 t0 = time.perf_counter()
                 time.sleep(min(delay, left))
                 waited += time.perf_counter() - t0
                 delay = min(delay * 2, 0.05)
                 continue
-            _, version, size, sk, dr, slots, tids, uses, vers, refs, ps = out
-            skipped += int(sk)
-            dropped += int(dr)
-            rec = self.keys.rec
-            blobs = self._retry(
-                functools.partial(self.client.mget, [rec + t.decode() for t in tids]),
-                max(0.0, deadline - time.monotonic()),
+            drawn.update(positions)
+            order, tail_now, blobs, refs, uses = self._retry(
+                functools.partial(self._read, positions, True),
+                max(self.retry_s, deadline - time.monotonic()),
             )
-            present = [k for k, b in enumerate(blobs) if b is not None]
-            # A record evicted between the script and the MGET is missing: drawn again below.
+            prob_of = dict(zip(positions, ps, strict=True)) if ps else {}
+            present = [k for k, b in enumerate(blobs) if b is not None and order[k] >= tail_now]
+            unusable = [order[k] for k, b in enumerate(blobs) if b is None or order[k] < tail_now]
             good, bad = decode_many([blobs[k] for k in present], self.max_record_bytes)
             bad_at = {present[i] for i, _ in bad}
             for i, problem in bad:
-                log.error(
-                    "quarantined a malformed record in slot %s: %s", slots[present[i]], problem
-                )
+                log.error("quarantined a malformed record at position %d: %s",
+                          order[present[i]], problem)  # fmt: skip
+            stale = 0
+            floor = None if self.max_staleness is None else version - self.max_staleness
             it = iter(good)
             for k in present:
                 if k in bad_at:
+                    unusable.append(order[k])
                     continue
                 t = next(it)
+                if floor is not None and t.policy_version < floor:
+                    stale += 1  # a slow worker's, further in: skipped, not dropped
+                    unusable.append(order[k])
+                    continue
                 t.use_count = int(uses[k])
                 _apply_ref(t, refs[k])
                 trajs.append(t)
-                versions.append(int(vers[k]))
-                if ps:
-                    probs.append(float(ps[k]))
+                positions_out.append(order[k])
+                versions.append(t.policy_version)
+                if prob_of:
+                    probs.append(prob_of[order[k]])
+            skipped += stale
+            if unusable:
+                self._give_back(unusable, len(unusable), stale)
             if bad_at:
-                self._script("quarantine", [slots[k] for k in sorted(bad_at)])
+                self._quarantine(sorted(order[k] for k in bad_at))
                 if self.metrics is not None:
                     self.metrics.rejected.inc(len(bad_at))
+        self._remember([t.traj_id for t in trajs], positions_out)
         if self.prioritized:
             weights = importance_weights(np.asarray(probs), int(size), self.beta)
         else:
@@ -513,56 +651,154 @@ class RedisRing:
             self.metrics.size.set(int(size))
         return batch
 
+    def _draw(self, k: int, tail: int, head: int, drawn: set[int]) -> list[int] | None:
+        """k distinct positions of [tail, head) not in ``drawn``, uniformly (None: too few)."""
+        if not drawn:
+            return self._rng.sample(range(tail, head), k) if head - tail >= k else None
+        taken = sum(1 for p in drawn if tail <= p < head)
+        left = head - tail - taken
+        if left < k:
+            return None
+        if left < 4 * k:  # few left: draw from the list of them
+            return self._rng.sample([p for p in range(tail, head) if p not in drawn], k)
+        out: set[int] = set()
+        while len(out) < k:
+            p = self._rng.randrange(tail, head)
+            if p not in drawn:
+                out.add(p)
+        return list(out)
+
+    def _chunk_of(self, pos: int) -> int | None:
+        with self._index_lock:
+            return self._index.start_of(pos)
+
+    def _read(
+        self, positions: Sequence[int], count_use: bool
+    ) -> tuple[list[int], int, list[Any], list[Any], list[Any]]:
+        """One MULTI/EXEC: the tail, then per chunk an HMGET of the records and their reference
+        quantities, then one BITFIELD over the use counts (INCRBY 1 when ``count_use``, else
+        GET). Returns (positions in the order read, tail, records, refs, use counts); a position
+        outside the known chunks reads as missing."""
+        k, cap = self.keys, self._capacity
+        cmds = [resp.pack("HGET", k.meta, "tail")]
+        order: list[int] = []
+        missing: list[int] = []
+        with self._index_lock:
+            start_of = self._index.start_of
+            for start, group in itertools.groupby(sorted(positions), key=start_of):
+                if start is None:
+                    missing += group
+                    continue
+                ps = list(group)
+                order += ps
+                cmds.append(resp.hmget_with_refs(f"{k.rec}{start}", [p - start for p in ps]))
+        if order:
+            cmds.append(
+                resp.bitfield_u32(k.use, [p % cap for p in order], 1 if count_use else None)
+            )
+        res = self._transact(cmds)
+        blobs: list[Any] = []
+        refs: list[Any] = []
+        for got in res[1 : len(res) - (1 if order else 0)]:
+            blobs += got[0::2]
+            refs += got[1::2]
+        uses = list(res[-1]) if order else []
+        # Positions no chunk holds (never written, or evicted since): missing, no use counted.
+        order += missing
+        blobs += [None] * len(missing)
+        refs += [None] * len(missing)
+        uses += [0] * len(missing)
+        return order, int(res[0] or 0), blobs, refs, uses
+
+    def _quarantine(self, positions: Sequence[int]) -> None:
+        args: list[Any] = []
+        for p in positions:
+            start = self._chunk_of(p)
+            if start is not None:
+                args += [p, start]
+        if args:
+            self._script("quarantine", args)
+
+    def _give_back(self, positions: Sequence[int], unsampled: int, stale: int) -> None:
+        """Undo the use counts of positions drawn but not handed out (saturating at 0: a slot
+        reused since starts at 0), and their count in ``sampled``; count stale skips."""
+        cap = self._capacity
+        positions = [p for p in positions if self._chunk_of(p) is not None]
+
+        def send() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            if positions:
+                bits: list[Any] = ["OVERFLOW", "SAT"]
+                for p in positions:
+                    bits += ("INCRBY", "u32", f"#{p % cap}", -1)
+                pipe.execute_command("BITFIELD", self.keys.use, *bits)  # type: ignore[no-untyped-call]
+            if unsampled:
+                pipe.hincrby(self.keys.meta, "sampled", -unsampled)
+            if stale:
+                pipe.hincrby(self.keys.meta, "dropped", stale)
+            pipe.execute()
+
+        self._retry(send, self.retry_s)
+
     def update_priorities(self, traj_ids: Sequence[str], deltas: Sequence[float]) -> int:
+        """Priorities of trajectories this client inserted, sampled or listed (their positions
+        are remembered); others count as not held."""
         if len(traj_ids) != len(deltas):
             raise ValueError(f"{len(traj_ids)} ids but {len(deltas)} deltas")
         if not self.prioritized or not traj_ids:
             return 0
         args: list[Any] = []
         for tid, d in zip(traj_ids, deltas, strict=True):
-            args += [tid, repr(priority_of(d, self.alpha, self.eps))]
-        return int(self._script("priorities", args))
+            pos = self._where.get(tid)
+            if pos is not None:
+                args += [pos, repr(priority_of(d, self.alpha, self.eps))]
+        return int(self._script("priorities", args)) if args else 0
 
     def write_back(self, trajectories: Sequence[Trajectory]) -> int:
-        """Store the cached reference quantities of held trajectories (a few bytes each: the
-        record's bytes are not rewritten)."""
-        if not trajectories:
-            return 0
+        """Store the cached reference quantities of held trajectories that this client
+        inserted, sampled or listed (a few bytes each, beside the record: the record's bytes are
+        not rewritten)."""
         args: list[Any] = []
         for t in trajectories:
-            args += [t.traj_id, _pack_ref(t)]
-        return int(self._script("write_back", args))
+            pos = self._where.get(t.traj_id)
+            start = None if pos is None else self._chunk_of(pos)
+            if pos is not None and start is not None:
+                args += [pos, start, _pack_ref(t)]
+        return int(self._script("write_back", args)) if args else 0
 
     def items(self) -> list[Trajectory]:
         k = self.keys
-        head, tail = (
-            int(x or 0)
-            for x in self._retry(lambda: self.client.hmget(k.meta, "head", "tail"), self.retry_s)
-        )
+
+        def window() -> tuple[int, int, list[Any]]:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(k.meta, "head", "tail")
+            pipe.zrangebyscore(k.chunks, f"({self._index.newest}", "+inf", withscores=True)
+            (head, tail), fresh = pipe.execute()
+            flat = [x for end, start in fresh for x in (end, start)]
+            return int(head or 0), int(tail or 0), flat
+
+        head, tail, flat = self._retry(window, self.retry_s)
+        with self._index_lock:
+            self._index.add(flat)
+            self._index.forget_below(tail)
         out = []
         for lo in range(tail, head, 512):
-            slots = [pos % self._capacity for pos in range(lo, min(lo + 512, head))]
-
-            def read(slots: list[int] = slots) -> list[Any]:
-                pipe = self.client.pipeline(transaction=True)
-                for key in (k.sid, k.suse, k.sref):
-                    pipe.hmget(key, slots)
-                tids, uses, refs = pipe.execute()
-                rows = [(t, u, r) for t, u, r in zip(tids, uses, refs, strict=True) if t]
-                blobs = self.client.mget([k.rec + t.decode() for t, _, _ in rows]) if rows else []
-                return list(zip(rows, blobs, strict=True))
-
-            rows = [(row, blob) for row, blob in self._retry(read, self.retry_s) if blob]
-            good, bad = decode_many([blob for _, blob in rows], self.max_record_bytes)
-            bad_at = {i for i, _ in bad}  # evicted meanwhile are absent; corrupt ones skipped
+            order, tail_now, blobs, refs, uses = self._retry(
+                functools.partial(self._read, range(lo, min(lo + 512, head)), False),
+                self.retry_s,
+            )
+            keep = [i for i, b in enumerate(blobs) if b is not None and order[i] >= tail_now]
+            good, bad = decode_many([blobs[i] for i in keep], self.max_record_bytes)
+            bad_at = {keep[i] for i, _ in bad}  # evicted meanwhile are absent; corrupt skipped
             it = iter(good)
-            for i, ((_, uses, ref), _) in enumerate(rows):
+            for i in keep:
                 if i in bad_at:
                     continue
                 t = next(it)
-                t.use_count = int(uses or 0)
-                _apply_ref(t, ref)
+                t.use_count = int(uses[i])
+                _apply_ref(t, refs[i])
                 out.append(t)
+                self._where[t.traj_id] = order[i]
         return out
 
     def stats(self) -> BufferStats:
@@ -595,8 +831,11 @@ class RedisRing:
 
     def _delete(self) -> None:
         self.client.delete(*self.keys.stored)
-        batch = []
-        for key in self.client.scan_iter(match=_glob_escape(self.keys.rec) + "*", count=1000):
+        batch: list[Any] = []
+        for key in itertools.chain(
+            self.client.scan_iter(match=_glob_escape(self.keys.rec) + "*", count=1000),
+            self.client.scan_iter(match=_glob_escape(self.keys.stage) + "*", count=1000),
+        ):
             batch.append(key)
             if len(batch) >= 1000:
                 self.client.delete(*batch)
@@ -606,7 +845,10 @@ class RedisRing:
 
     def reset(self) -> None:
         self.delete()
-        self._script("open", [])
+        with self._index_lock:
+            self._index = _ChunkIndex()
+        self._where.clear()
+        self._open(self.retry_s)
 
     def close(self, flush_s: float = 5.0) -> None:
         """Flush the spool (waiting up to ``flush_s`` for Redis), stop the sender thread, and

@@ -176,7 +176,8 @@ def test_redis_crash_keeps_the_ring_consistent(own_redis):
     ids = [t.traj_id for t in ring.items()]
     assert len(ids) == len(set(ids)) and ids == sorted(ids)
     s = ring.stats()
-    assert s.size == len(ids) == ring.client.hlen(ring.keys.ids)
+    stored = sum(ring.client.hlen(k) for k in ring.client.scan_iter(match=ring.keys.rec + "*"))
+    assert s.size == len(ids) == stored
     assert len(ids) >= 1000 - 400  # at most ~1 s of a 250 records/s stream lost
     assert ids[-1] == "c-000999"  # everything after the crash landed
 
@@ -269,7 +270,9 @@ def test_a_corrupt_record_in_redis_is_quarantined_and_counted(redis_url, redis_p
     m = BufferMetrics()
     ring = RedisRing("c", 6, url=redis_url, key_prefix=redis_prefix, metrics=m, seed=4)
     ring.insert([make_traj(i) for i in range(6)])
-    ring.client.set(ring.keys.rec + "t2", b"\x93not a record")  # a foreign writer's garbage
+    # One chunk (positions 0..5, key r:0); t2 is at offset 2.
+    assert ring.client.hexists(ring.keys.rec + "0", "2")
+    ring.client.hset(ring.keys.rec + "0", "2", b"\x93not a record")
     batch = ring.sample(5)
     assert len(batch) == 5 and "t2" not in batch.traj_ids
     assert ring.stats().rejected == 1
@@ -308,11 +311,13 @@ def test_keys_live_under_the_prefix_only(redis_url, redis_prefix):
     buf.insert([make_traj(0)])
     keys = {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")}
     k = run_keys(redis_prefix, "k")
-    assert keys == {k.meta, k.ids, k.tree, k.sid, k.sver, k.rec + "t0"}
+    assert keys == {k.meta, k.dig, k.tree, k.ver, k.use, k.chunks, k.rec + "0"}
     buf.sample(1)
     buf.write_back(buf.items())
+    for i in range(1, 13, 3):  # chunks at positions 1, 4, 7, 10; 0..2 evicted (M = 10)
+        buf.insert([make_traj(j) for j in range(i, i + 3)])
     keys = {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")}
-    assert keys == {*k.stored, k.rec + "t0"}
+    assert keys == {*k.stored, *(k.rec + str(b) for b in (1, 4, 7, 10))}
     buf.reset()
     assert {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")} == {k.meta}
 
