@@ -330,40 +330,85 @@ def _unpack(data: Any, max_bytes: int) -> Trajectory:
 
 
 def _build_checked(objs: Sequence[tuple[Any, ...]]) -> list[Trajectory] | None:
-    """Trajectories from checked wire tuples, validated as a batch: the arrays of the whole batch
-    are joined and checked at once, and each record's arrays are read-only views of the joined
-    ones (one ``frombuffer`` per batch instead of three per record). None if any record fails a
-    check (the caller then finds which, one by one)."""
+    """Trajectories from wire tuples of the right length and version, validated as a batch,
+    column by column: the exact types of every field, the array sizes, finite values, the
+    finish reasons and counters, then the token ids and log-probs of the whole batch at once.
+    Each record's arrays are read-only views of the batch's joined arrays (one ``frombuffer``
+    per batch instead of three per record). None if any record fails a check (the caller then
+    finds which, one by one)."""
     if not objs:
         return []
-    pa = np.frombuffer(b"".join([o[1] for o in objs]), _I32)
-    ra = np.frombuffer(b"".join([o[2] for o in objs]), _I32)
-    la = np.frombuffer(b"".join([o[3] for o in objs]), _F32)
-    if (pa.size and pa.min() < 0) or (ra.size and ra.min() < 0):
+    cols = list(zip(*objs, strict=True))
+    for col, allowed in zip(cols, _COLUMN_TYPES, strict=True):
+        if not set(map(type, col)) <= allowed:
+            return None
+    n_p = np.fromiter(map(len, cols[1]), np.int64, len(objs))
+    n_r = np.fromiter(map(len, cols[2]), np.int64, len(objs))
+    n_l = np.fromiter(map(len, cols[3]), np.int64, len(objs))
+    if ((n_p | n_r) & 3).any() or (n_l != n_r).any() or not (n_p.all() and n_r.all()):
         return None
-    if la.size and not (la.min() > -np.inf and la.max() <= 1e-4):  # NaN fails both
+    n_p >>= 2
+    n_r >>= 2
+    if (n_p + n_r > MAX_TOKENS).any():
         return None
-    isfinite, new, reasons = math.isfinite, Trajectory.__new__, _FINISH_REASONS
+    floats = np.array([cols[4], cols[5], cols[15], cols[16]], dtype=np.float64)
+    if not np.isfinite(floats).all() or not set(cols[8]) <= _REASONS:
+        return None
+    if min(cols[9]) < 0 or min(cols[17]) < 0:
+        return None
+    pa = np.frombuffer(b"".join(cols[1]), _I32)
+    ra = np.frombuffer(b"".join(cols[2]), _I32)
+    la = np.frombuffer(b"".join(cols[3]), _F32)
+    if pa.min() < 0 or ra.min() < 0 or not (la.min() > -np.inf and la.max() <= 1e-4):
+        return None  # (NaN fails both comparisons)
+    p_at = [0, *np.cumsum(n_p).tolist()]
+    r_at = [0, *np.cumsum(n_r).tolist()]
+    new = Trajectory.__new__
     out: list[Trajectory] = []
-    po = ro = 0
-    for o in objs:
-        if (len(o[1]) | len(o[2]) | len(o[3])) & 3:
-            return None
-        n_p, n_r = len(o[1]) >> 2, len(o[2]) >> 2
-        if not n_p or not n_r or len(o[3]) != len(o[2]) or n_p + n_r > MAX_TOKENS:
-            return None
-        if not (isfinite(o[4]) and isfinite(o[5]) and isfinite(o[15]) and isfinite(o[16])):
-            return None
-        if o[8] not in reasons or o[9] < 0 or o[17] < 0:
-            return None
+    for k, (
+        _,
+        _,
+        _,
+        _,
+        rr,
+        rw,
+        pid,
+        gid,
+        fr,
+        pv,
+        wid,
+        rid,
+        tid,
+        ca,
+        rv,
+        rls,
+        rval,
+        uc,
+    ) in enumerate(objs):
         t = new(Trajectory)
-        t.prompt_ids = pa[po : po + n_p]
-        t.response_ids = ra[ro : ro + n_r]
-        t.logprobs = la[ro : ro + n_r]
-        po += n_p
-        ro += n_r
-        out.append(_fill(t, o))
+        t.prompt_ids = pa[p_at[k] : p_at[k + 1]]
+        r0, r1 = r_at[k], r_at[k + 1]
+        t.response_ids = ra[r0:r1]
+        t.logprobs = la[r0:r1]
+        t.reward_raw = float(rr)
+        t.reward = float(rw)
+        t.prompt_id = pid
+        t.group_id = gid
+        t.finish_reason = fr
+        t.policy_version = pv
+        t.worker_id = wid
+        t.run_id = rid
+        t.traj_id = tid
+        t.created_at = float(ca)
+        t.ref_version = rv
+        t.ref_logprob_sum = float(rls)
+        t.ref_value = float(rval)
+        t.use_count = uc
+        out.append(t)
     return out
+
+
+_REASONS = frozenset(_FINISH_REASONS)
 
 
 def decode(data: bytes, max_bytes: int = 64 << 20) -> Trajectory:
@@ -402,12 +447,7 @@ def decode_many(
                 where.append(i)
             except RecordError as err:
                 bad.append((i, err))
-    fast = None
-    if objs and all(
-        set(map(type, col)) <= allowed
-        for col, allowed in zip(zip(*objs, strict=True), _COLUMN_TYPES, strict=True)
-    ):
-        fast = _build_checked(objs)
+    fast = _build_checked(objs)
     if fast is not None:
         return fast, bad
     ok = []

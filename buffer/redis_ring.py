@@ -122,6 +122,25 @@ class _ChunkIndex:
             return None
         return self.starts[i]
 
+    def group(
+        self, positions: Sequence[int]
+    ) -> tuple[list[tuple[int, list[int]]], list[int], list[int]]:
+        """Sort positions into the chunks that hold them: ([(chunk start, offsets)], the held
+        positions in that order, the positions no known chunk holds)."""
+        pos = np.sort(np.asarray(positions, dtype=np.int64))
+        starts = np.asarray(self.starts, dtype=np.int64)
+        ends = np.asarray(self.ends, dtype=np.int64)
+        at = np.searchsorted(starts, pos, side="right") - 1
+        ok = at >= 0
+        ok[ok] = pos[ok] < ends[at[ok]]
+        held, at = pos[ok], at[ok]
+        first = starts[at]
+        cuts = (np.flatnonzero(np.diff(at)) + 1).tolist()
+        offsets = (held - first).tolist()
+        bounds = [0, *cuts, len(offsets)]
+        groups = [(int(first[a]), offsets[a:b]) for a, b in itertools.pairwise(bounds)]
+        return (groups if offsets else []), held.tolist(), pos[~ok].tolist()
+
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
@@ -207,6 +226,7 @@ class RedisRing:
             url, socket_timeout=30, socket_connect_timeout=2, health_check_interval=15
         )
         self._rng = random.Random(seed)
+        self._np_rng = np.random.default_rng(self._rng.randrange(2**63))  # draws positions
         self.samples_per_insert = samples_per_insert
         self.rate_slack = rate_slack
         self.min_size_to_sample = min_size_to_sample
@@ -234,6 +254,7 @@ class RedisRing:
         # back trajectories it sampled); filled by insert, sample and items, bounded.
         self._where: dict[str, int] = {}
         self._where_max = max(4 * capacity, 1 << 16)
+        self._where_lock = threading.Lock()
         self._scripts = {
             name: self.client.register_script(src)
             for name, src in (
@@ -269,12 +290,12 @@ class RedisRing:
 
     def _remember(self, ids: Sequence[str], positions: Sequence[int]) -> None:
         where = self._where
-        for tid, pos in zip(ids, positions, strict=True):
-            where[tid] = pos
-        excess = len(where) - self._where_max
-        if excess > 0:
-            for tid in list(itertools.islice(where, excess)):
-                del where[tid]
+        with self._where_lock:  # a Prefetcher samples from several threads
+            where.update(zip(ids, positions, strict=True))
+            excess = len(where) - self._where_max
+            if excess > 0:
+                for tid in list(itertools.islice(where, excess)):
+                    del where[tid]
 
     def _script(self, name: str, args: Sequence[Any], retry_s: float | None = None) -> Any:
         return self._retry(
@@ -600,8 +621,13 @@ class RedisRing:
                 max(self.retry_s, deadline - time.monotonic()),
             )
             prob_of = dict(zip(positions, ps, strict=True)) if ps else {}
-            present = [k for k, b in enumerate(blobs) if b is not None and order[k] >= tail_now]
-            unusable = [order[k] for k, b in enumerate(blobs) if b is None or order[k] < tail_now]
+            if all(b is not None for b in blobs) and (not order or order[0] >= tail_now):
+                present, unusable = list(range(len(order))), []  # the usual case: all there
+            else:
+                present = [k for k, b in enumerate(blobs) if b is not None and order[k] >= tail_now]
+                unusable = [
+                    order[k] for k, b in enumerate(blobs) if b is None or order[k] < tail_now
+                ]
             good, bad = decode_many([blobs[k] for k in present], self.max_record_bytes)
             bad_at = {present[i] for i, _ in bad}
             for i, problem in bad:
@@ -609,6 +635,16 @@ class RedisRing:
                           order[present[i]], problem)  # fmt: skip
             stale = 0
             floor = None if self.max_staleness is None else version - self.max_staleness
+            if not bad_at and floor is None and not prob_of and len(good) == len(order):
+                # The usual case, without a per-record branch: every record drawn is handed out.
+                for t, u, ref in zip(good, uses, refs, strict=True):
+                    t.use_count = u
+                    if ref is not None:
+                        _apply_ref(t, ref)
+                trajs += good
+                positions_out += order
+                versions += [t.policy_version for t in good]
+                continue
             it = iter(good)
             for k in present:
                 if k in bad_at:
@@ -619,8 +655,9 @@ class RedisRing:
                     stale += 1  # a slow worker's, further in: skipped, not dropped
                     unusable.append(order[k])
                     continue
-                t.use_count = int(uses[k])
-                _apply_ref(t, refs[k])
+                t.use_count = uses[k]
+                if refs[k] is not None:
+                    _apply_ref(t, refs[k])
                 trajs.append(t)
                 positions_out.append(order[k])
                 versions.append(t.policy_version)
@@ -653,19 +690,22 @@ class RedisRing:
 
     def _draw(self, k: int, tail: int, head: int, drawn: set[int]) -> list[int] | None:
         """k distinct positions of [tail, head) not in ``drawn``, uniformly (None: too few)."""
+        n = head - tail
         if not drawn:
-            return self._rng.sample(range(tail, head), k) if head - tail >= k else None
-        taken = sum(1 for p in drawn if tail <= p < head)
-        left = head - tail - taken
+            if n < k:
+                return None
+            picked: list[int] = (self._np_rng.choice(n, k, replace=False) + tail).tolist()
+            return picked
+        left = n - sum(1 for p in drawn if tail <= p < head)
         if left < k:
             return None
         if left < 4 * k:  # few left: draw from the list of them
             return self._rng.sample([p for p in range(tail, head) if p not in drawn], k)
         out: set[int] = set()
         while len(out) < k:
-            p = self._rng.randrange(tail, head)
-            if p not in drawn:
-                out.add(p)
+            for p in (self._np_rng.choice(n, k, replace=False) + tail).tolist():
+                if p not in drawn and len(out) < k:
+                    out.add(p)
         return list(out)
 
     def _chunk_of(self, pos: int) -> int | None:
@@ -681,17 +721,10 @@ class RedisRing:
         outside the known chunks reads as missing."""
         k, cap = self.keys, self._capacity
         cmds = [resp.pack("HGET", k.meta, "tail")]
-        order: list[int] = []
-        missing: list[int] = []
         with self._index_lock:
-            start_of = self._index.start_of
-            for start, group in itertools.groupby(sorted(positions), key=start_of):
-                if start is None:
-                    missing += group
-                    continue
-                ps = list(group)
-                order += ps
-                cmds.append(resp.hmget_with_refs(f"{k.rec}{start}", [p - start for p in ps]))
+            groups, order, missing = self._index.group(positions)
+        for start, offsets in groups:
+            cmds.append(resp.hmget_with_refs(f"{k.rec}{start}", offsets))
         if order:
             cmds.append(
                 resp.bitfield_u32(k.use, [p % cap for p in order], 1 if count_use else None)
@@ -781,7 +814,8 @@ class RedisRing:
         with self._index_lock:
             self._index.add(flat)
             self._index.forget_below(tail)
-        out = []
+        out: list[Trajectory] = []
+        where: list[int] = []
         for lo in range(tail, head, 512):
             order, tail_now, blobs, refs, uses = self._retry(
                 functools.partial(self._read, range(lo, min(lo + 512, head)), False),
@@ -798,7 +832,8 @@ class RedisRing:
                 t.use_count = int(uses[i])
                 _apply_ref(t, refs[i])
                 out.append(t)
-                self._where[t.traj_id] = order[i]
+                where.append(order[i])
+        self._remember([t.traj_id for t in out], where)
         return out
 
     def stats(self) -> BufferStats:
