@@ -376,3 +376,75 @@ def test_background_sender_keeps_order_and_survives_an_outage(own_redis):
     assert ids == list(range(200))
     assert m.registry.get_sample_value("reval_buffer_inserts_total") == 200
     ring.close()
+
+
+def _stage_and_chunk_keys(ring: RedisRing) -> tuple[set[str], set[str]]:
+    stages = {k.decode() for k in ring.client.scan_iter(match=ring.keys.stage + "*")}
+    chunks = {k.decode() for k in ring.client.scan_iter(match=ring.keys.rec + "*")}
+    return stages, chunks
+
+
+def test_chunks_of_any_size_are_evicted_whole_and_nothing_lingers(redis_url, redis_prefix):
+    ring = RedisRing("mix", 8, url=redis_url, key_prefix=redis_prefix, seed=3)
+    sizes = [3, 7, 1, 5, 2, 9, 4, 1, 1, 6]  # 9 > M: a batch that evicts some of its own
+    n = 0
+    for size in sizes:
+        ring.insert([make_traj(n + i) for i in range(size)])
+        n += size
+        held = [t.traj_id for t in ring.items()]
+        assert held == [f"t{i}" for i in range(max(0, n - 8), n)]
+        tail = n - len(held)
+        starts = [int(k.rsplit(":", 1)[1]) for k in _stage_and_chunk_keys(ring)[1]]
+        ends = {int(e): int(s) for e, s in ring.client.zrange(ring.keys.chunks, 0, -1,
+                                                              withscores=True)}  # fmt: skip
+        assert sorted(starts) == sorted(ends.values())
+        assert all(end > tail for end in ends)  # every chunk still holds a held record
+        assert _stage_and_chunk_keys(ring)[0] == set()
+        got = ring.sample(min(len(held), 5))
+        assert len(set(got.traj_ids)) == len(got) and set(got.traj_ids) <= set(held)
+
+
+def test_a_failed_insert_leaves_no_stage_behind(redis_url, redis_prefix):
+    kw = {"url": redis_url, "key_prefix": redis_prefix}
+    old = RedisRing("stage", 4, **kw)
+    old.insert([make_traj(0)])
+    RedisRing("stage", 9, reset=True, **kw)  # the run starts over with another M
+    with pytest.raises(ValueError, match="capacity 9 but the client asks for 4"):
+        old.insert([make_traj(1)])
+    assert _stage_and_chunk_keys(old) == (set(), set())
+
+
+def test_samples_racing_evictions_hand_out_only_held_records(redis_url, redis_prefix):
+    """A small ring under a fast producer: positions drawn by a sample are often evicted before
+    the sample reads them; they are drawn again, and `sampled` counts only what was handed out."""
+    kw = {"url": redis_url, "key_prefix": redis_prefix, "seed": 5}
+    producer = RedisRing("race", 40, **kw)
+    learner = RedisRing("race", 40, **kw)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                producer.insert([make_traj(i + j) for j in range(7)])
+                i += 7
+        except BaseException as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    producer.insert([make_traj(10_000 + j) for j in range(40)])
+    thread = threading.Thread(target=produce)
+    thread.start()
+    handed = 0
+    try:
+        for _ in range(150):
+            batch = learner.sample(16, timeout=5)
+            assert len(set(batch.traj_ids)) == 16
+            assert all(t.use_count >= 1 for t in batch)
+            handed += 16
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
+    assert learner.stats().sampled == handed
+    assert sum(t.use_count for t in learner.items()) <= handed
