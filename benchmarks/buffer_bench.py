@@ -4,11 +4,15 @@ For 2 KB records (256 tokens: prompt 64 + response 192) and 40 KB records (5,000
 200 + response 4,800), and for each batch size B, it measures:
 
 - insert: ``RedisRing.insert`` of batches of B pre-built trajectories (client-side encode and
-  validation, then one MULTI/EXEC of MSET and the Lua insert script per chunk), records/s and MB/s;
+  validation, then one MULTI/EXEC per chunk: an HSET of the records to a stage hash and the
+  INSERT script, which gives them positions and renames the stage into the ring), records/s and
+  MB/s;
 - encode-only / decode-only: ``buffer.records.encode_many`` / ``decode_many`` alone on one core
   in batches of 1024, the client's share of an insert / a sample;
-- sample: ``RedisRing.sample(B)`` repeated (the Lua sample script, the transfer, then decode and
-  validation of every record), records/s, MB/s and per-call latency p50/p99;
+- sample: ``RedisRing.sample(B)`` repeated (the O(1) SAMPLE script, B positions drawn by the
+  client, one MULTI/EXEC of an HMGET per chunk touched and a BITFIELD of the use counts, then
+  decode and validation of every record), records/s, MB/s and per-call latency p50/p99; once
+  more from a ring filled by batches of 64 (more, smaller chunks to read from);
 - beside it, the server ceiling: ``redis-benchmark`` LPUSH of 2 KB / 40 KB values, pipelined
   (-P 16, its default 50 clients), in db 15 (it writes its own key ``mylist`` there, up to about
   0.8 GB at --scale 1, deleted after each run; skipped when db 15 already holds a ``mylist`` this
@@ -292,13 +296,15 @@ def bench_insert(
     )
 
 
-def fill(ring: RedisRing, records: Sequence[Trajectory], target: int) -> None:
-    """Insert ``target`` records (the given ones, repeated under new ids), untimed."""
+def fill(ring: RedisRing, records: Sequence[Trajectory], target: int, batch: int = 1024) -> None:
+    """Insert ``target`` records (the given ones, repeated under new ids) in batches of
+    ``batch`` (each batch is one chunk of the ring: a sample reads each chunk it touches with one
+    HMGET), untimed."""
     done = 0
     while done < target:
         chunk = fresh_ids(records[: target - done]) if done else list(records[:target])
-        for i in range(0, len(chunk), 1024):
-            ring.insert(chunk[i : i + 1024])
+        for i in range(0, len(chunk), batch):
+            ring.insert(chunk[i : i + batch])
         done += len(chunk)
     if ring.spooled:
         raise RuntimeError(f"Redis was unreachable: {ring.spooled} records left in the spool")
@@ -458,7 +464,7 @@ def report(
                 for c in codecs
             ],
         ),
-        "## RedisRing insert (encode + validate, then MULTI: MSET + the Lua insert script)",
+        "## RedisRing insert (encode + validate, then MULTI: HSET to a stage + the INSERT script)",
         table(
             ["size", "mode", "B", "M", "records", "rec/s", "MB/s", "evicted"],
             [
@@ -475,7 +481,7 @@ def report(
                 for r in inserts
             ],
         ),
-        "## RedisRing sample (Lua sample script, MGET, decode + validate)",
+        "## RedisRing sample (SAMPLE script, then MULTI: HMGET per chunk + BITFIELD; decode)",
         table(
             ["size", "mode", "B", "held", "calls", "rec/s", "MB/s", "p50 ms", "p99 ms"],
             [
@@ -623,6 +629,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
+            rings.drop(ring)
+            # The same from a ring filled by small producer batches (64: a worker's 8 prompts
+            # x 8 answers), so a sample touches up to B chunks instead of ~M/1024.
+            ring = rings.make(f"{spec.name}-sample64", capacity)
+            fill(ring, pool, capacity, batch=64)
+            b = max(args.batches)
+            calls = max(args.min_calls, math.ceil(spec.sample_records * args.scale / b))
+            samples.append(bench_sample(ring, spec, b, calls, codec.mean_bytes, False))
+            samples[-1].mode = "call, filled by 64"
+            print(f"[{spec.label}] sample B={b} (filled by 64): {samples[-1].rps:,.0f} rec/s",
+                  file=sys.stderr, flush=True)  # fmt: skip
             rings.drop(ring)
             del pool
         rings.cleanup()  # free the memory before redis-benchmark fills db 15
