@@ -592,8 +592,19 @@ class RedisRing:
                 dropped += int(out[4])
                 size = head - tail
                 with self._index_lock:
-                    self._index.add(out[5])
-                    self._index.forget_below(tail)
+                    reset_elsewhere = bool(self._index.ends) and self._index.ends[-1] > head
+                    if reset_elsewhere:  # positions started over: what this client knew is void
+                        self._index = _ChunkIndex()
+                        with self._where_lock:
+                            self._where.clear()
+                    else:
+                        self._index.add(out[5])
+                        self._index.forget_below(tail)
+                if reset_elsewhere:
+                    log.warning("run %s was reset by another client; sampling anew", self.run)
+                    self._give_back([], need, 0)
+                    drawn.clear()
+                    continue
                 if self.prioritized:
                     positions, ps = [int(p) for p in out[6]], [float(p) for p in out[7]]
                 else:

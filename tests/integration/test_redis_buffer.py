@@ -448,3 +448,16 @@ def test_samples_racing_evictions_hand_out_only_held_records(redis_url, redis_pr
     assert not errors
     assert learner.stats().sampled == handed
     assert sum(t.use_count for t in learner.items()) <= handed
+
+
+def test_a_learner_follows_a_reset_made_by_another_client(redis_url, redis_prefix):
+    kw = {"url": redis_url, "key_prefix": redis_prefix, "seed": 2}
+    learner = RedisRing("rs", 8, **kw)
+    learner.insert([make_traj(i) for i in range(8)])
+    learner.sample(4)
+    other = RedisRing("rs", 8, reset=True, **kw)  # the run starts over (positions from 0)
+    other.insert([make_traj(100 + i) for i in range(3)])
+    batch = learner.sample(3, timeout=5)
+    assert sorted(batch.traj_ids) == ["t100", "t101", "t102"]
+    assert learner.stats().sampled == 3
+    assert learner.write_back([make_traj(0)]) == 0  # t0's old position means nothing now
