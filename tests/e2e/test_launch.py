@@ -59,10 +59,9 @@ def last_update(run_dir: Path) -> int:
     return rows[-1]["update"] if rows else 0
 
 
-def restart_row(run_dir: Path) -> int | None:
-    """The first update logged after the learner went back to a checkpoint."""
-    updates = [r["update"] for r in read_jsonl(run_dir / "learner.jsonl")]
-    return next((updates[i] for i in range(1, len(updates)) if updates[i] <= updates[i - 1]), None)
+def rows_after(run_dir: Path, logged: int) -> list[int]:
+    """The updates logged after the first ``logged`` rows."""
+    return [r["update"] for r in read_jsonl(run_dir / "learner.jsonl")[logged:]]
 
 
 def test_launch_on_local_ray(tmp_path, redis_url, redis_prefix):
@@ -146,12 +145,23 @@ def test_launch_on_local_ray(tmp_path, redis_url, redis_prefix):
         # A learner rank dies: the learner restarts from its latest checkpoint (which cannot
         # move on once a rank is gone: saving is collective).
         os.kill(st["learner"]["pids"][1], signal.SIGKILL)
-        resumed_from = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+        logged = len(read_jsonl(run_dir / "learner.jsonl"))
         wait_for(
             lambda: status(sets)["learner"]["restarts"] == 1, 90, driver, "the learner restart"
         )
-        wait_for(lambda: restart_row(run_dir) is not None, 180, driver, "an update after it")
-        assert restart_row(run_dir) == resumed_from + 1
+        # Read once the new ranks exist (they take seconds to start and the old ones can no
+        # longer checkpoint): the checkpoint they resume from.
+        resumed_from = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+        # The first update after the restart is the one after that checkpoint. (An update number
+        # that goes down is no sign of it: killed between a checkpoint and the next update's
+        # row, the learner resumes past the last row it logged.)
+        wait_for(lambda: rows_after(run_dir, logged), 180, driver, "an update after it")
+        after = rows_after(run_dir, logged)
+        if after[0] <= resumed_from:
+            after = after[1:]  # a row the old rank 0 wrote as the other died
+            wait_for(lambda: len(rows_after(run_dir, logged)) > 1, 60, driver, "another update")
+            after = rows_after(run_dir, logged)[1:]
+        assert after[0] == resumed_from + 1
         # Drain one worker on request: it leaves the registry.
         assert cli(sets, "--remove", "1").returncode == 0
         wait_for(
