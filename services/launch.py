@@ -622,18 +622,4 @@ def _recorded_address(cfg: RunConfig) -> tuple[str | None, str | None]:
     return address, mode
 
 
-def wait_status(
-    cfg: RunConfig, predicate: Any, timeout_s: float, poll_s: float = 0.5
-) -> dict[str, Any]:
-    """Poll a launched run's status until ``predicate(status)`` holds (tests, scripts)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = control(cfg)
-        if predicate(status):
-            return status
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"status never matched: {status}")
-        time.sleep(poll_s)
-
-
-__all__: Sequence[str] = ["Launch", "control", "launch", "mailbox_name", "wait_status"]
+__all__: Sequence[str] = ["Launch", "control", "launch", "mailbox_name"]

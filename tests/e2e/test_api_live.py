@@ -17,13 +17,10 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from reval.config import parse_overrides
 from reval.metrics import read_jsonl
 from tests.e2e.test_service import ROOT, common
-
-pytest.importorskip("ray")
 
 TOKEN = "live-test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -14,15 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import redis
 
 from buffer.redis_ring import RedisRing
 from reval import registry
 from reval.metrics import read_jsonl
 from tests.e2e.test_service import ROOT, common
-
-pytest.importorskip("ray", reason="ray is a dependency: `make venv` installs it")
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
 

@@ -9,8 +9,6 @@ import pytest
 
 from reval.config import ApiConfig
 
-pytest.importorskip("ray.serve", reason="Ray Serve is in the dev install (ray[serve])")
-
 TOKEN = "serve-test-token-0123456789"
 
 
