@@ -49,8 +49,13 @@ def test_compose_file_is_valid():
     cfg = compose_config(**SECRETS)
     services = cfg["services"]
     assert set(services) == {"redis", "api", "learner", "rollout", "prometheus", "grafana",
-                             "ray-head"}  # fmt: skip
+                             "ray-head", "eval"}  # fmt: skip
     assert services["ray-head"]["profiles"] == ["ray"]  # opt-in
+    assert services["eval"]["profiles"] == ["eval"]
+    # LEARNER_GPUS sets both the GPUs reserved and the learner's ranks.
+    learner = compose_config(**SECRETS, LEARNER_GPUS="4")["services"]["learner"]
+    assert learner["environment"]["REVAL__LEARNER__WORLD_SIZE"] == "4"
+    assert int(learner["deploy"]["resources"]["reservations"]["devices"][0]["count"]) == 4
     for name in ("redis", "api", "learner", "rollout", "prometheus"):
         assert "healthcheck" in services[name], name
     assert services["api"]["depends_on"]["redis"]["condition"] == "service_healthy"

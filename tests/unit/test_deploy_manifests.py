@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from reval.config import ApiConfig, load_config
+from rollout.benchmarks import BENCHMARKS
 from services.cli import _parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,9 +61,19 @@ def test_rayservice_builds_the_api():
 
 def test_compose_commands_parse():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    for name in ("api", "learner", "rollout"):
+    for name in ("api", "learner", "rollout", "eval"):
         default = "${REVAL_CONFIG:-r1_distill_qwen_1p5b.toml}"
         raw = compose["services"][name]["command"]
         command = [c.replace(default, "r1_distill_qwen_1p5b.toml") for c in raw]
         args = parse(command)
-        assert args.command == {"api": "serve", "learner": "learner", "rollout": "rollout"}[name]
+        assert args.command == {"api": "serve", "learner": "learner", "rollout": "rollout",
+                                "eval": "eval"}[name]  # fmt: skip
+    default = "${REVAL_CONFIG:-r1_distill_qwen_1p5b.toml}"
+    ev = parse([c.replace(default, "r1_distill_qwen_1p5b.toml") for c in
+                compose["services"]["eval"]["command"]])  # fmt: skip
+    assert ev.follow and ev.every == 10  # the paper evaluates every 10 steps
+    assert set(ev.benchmarks.split(",")) == set(BENCHMARKS)
+    # The learner runs one rank per GPU it reserves.
+    learner = compose["services"]["learner"]
+    gpus = learner["deploy"]["resources"]["reservations"]["devices"][0]["count"]
+    assert learner["environment"]["REVAL__LEARNER__WORLD_SIZE"] == gpus
