@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from reval.config import ConfigError, load_config
+from reval.config import ConfigError, RunConfig, load_config
 
 ALGO_OVERRIDES = {
     "reval": ["algo.name=reval"],
@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     le = sub.add_parser("learner", help="run the learner service (FSDP2 ranks)")
     _config_args(le, "override a field (repeatable)")
     le.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    le.add_argument(
+        "--resume-if-any",
+        action="store_true",
+        help="continue from the latest checkpoint when the run has one, else start (containers "
+        "that may be restarted)",
+    )
     le.add_argument("--nproc", type=int, help="ranks to spawn (default learner.world_size)")
     le.add_argument(
         "--export",
@@ -116,6 +122,11 @@ def _parser() -> argparse.ArgumentParser:
 
     add_runs(sub)
     return p
+
+
+def has_checkpoint(cfg: RunConfig) -> bool:
+    """Whether the run directory holds a learner checkpoint to resume from."""
+    return (cfg.run_dir / "checkpoints" / "latest").is_file()
 
 
 def _experiment(args: argparse.Namespace) -> int:
@@ -269,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from learner.service import main as learner_main
 
         try:
-            return learner_main(cfg, resume=args.resume, nproc=args.nproc, export=args.export)
+            resume = args.resume or (args.resume_if_any and has_checkpoint(cfg))
+            return learner_main(cfg, resume=resume, nproc=args.nproc, export=args.export)
         except ValueError as err:
             print(f"reval learner: {err}", file=sys.stderr)
             return 2

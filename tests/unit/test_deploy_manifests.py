@@ -73,7 +73,22 @@ def test_compose_commands_parse():
                 compose["services"]["eval"]["command"]])  # fmt: skip
     assert ev.follow and ev.every == 10  # the paper evaluates every 10 steps
     assert set(ev.benchmarks.split(",")) == set(BENCHMARKS)
+    assert parse(
+        [c.replace(default, "r1_distill_qwen_1p5b.toml") for c in
+         compose["services"]["learner"]["command"]]
+    ).resume_if_any  # a restarted container resumes  # fmt: skip
     # The learner runs one rank per GPU it reserves.
     learner = compose["services"]["learner"]
     gpus = learner["deploy"]["resources"]["reservations"]["devices"][0]["count"]
     assert learner["environment"]["REVAL__LEARNER__WORLD_SIZE"] == gpus
+
+
+def test_resume_if_any_resumes_only_a_run_with_a_checkpoint(tmp_path):
+    from services.cli import has_checkpoint
+
+    cfg = load_config(str(ROOT / "configs" / "demo.toml"), [f"output_dir={tmp_path}"], environ={})
+    assert not has_checkpoint(cfg)
+    (cfg.run_dir / "checkpoints").mkdir(parents=True)
+    assert not has_checkpoint(cfg)  # a directory, but nothing saved in it
+    (cfg.run_dir / "checkpoints" / "latest").write_text("step-00000050")
+    assert has_checkpoint(cfg)
