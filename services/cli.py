@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     from services.client import add_parser as add_runs
 
     add_runs(sub)
+    from services.ablations import add_parser as add_ablate
+
+    add_ablate(sub)
     return p
 
 
@@ -266,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.client import run as runs_main
 
         return runs_main(args)
+    if args.command == "ablate":
+        from services.ablations import main as ablate_main
+
+        return ablate_main(args)
     algo = getattr(args, "algo", None)
     overrides = list(ALGO_OVERRIDES.get(algo, [])) + list(args.overrides)
     try:
