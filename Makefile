@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The torch-free packages that mypy checks strictly.
 LIGHT := reval/config.py reval/rewards.py reval/metrics.py buffer
 
-.PHONY: demo test lint unit venv clean oneshot
+.PHONY: demo test lint unit venv clean oneshot ablations
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 oneshot: $(STAMP)
 	$(BIN)/reval experiment oneshot --out docs/oneshot
+
+# The CPU ablations of docs/ablations.md, one after another (about 35 minutes with one seed).
+ablations: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/reval ablate all --seeds 1 --out docs/ablations
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -74,7 +74,7 @@ ABLATIONS: dict[str, Ablation] = {
             for label, r in (("0/1", "binary"), ("r - mean", "group_mean"), ("+-1", "plus_minus"))
         ),
         "delta_abs_mean",
-        "mean |delta|",
+        "mean abs(delta)",
     ),
     "variants": Ablation(
         "ReVal vs TBRM vs regression",
@@ -202,8 +202,8 @@ def summarize(name: str, runs: list[Run], n_rounds: int) -> dict[str, Any]:
         return "-" if x is None else format(x, fmt)
 
     lines = [
-        f"{ab.title}: {n_rounds} rounds, {len({r.seed for r in runs})} seeds; success = the demo's "
-        f"evaluation; threshold {ab.threshold:g}\n",
+        f"{ab.title}: {n_rounds} rounds, seeds {sorted({r.seed for r in runs})}; success = the "
+        f"demo's evaluation; threshold {ab.threshold:g}\n",
         f"| variant | final success (mean) | per seed | {ab.metric_label}, last fifth (mean) "
         f"| max | reached | rounds to {ab.threshold:g} (median) | seconds to it "
         "| seconds per run |",
