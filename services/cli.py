@@ -98,10 +98,18 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("name", choices=["oneshot"], help="oneshot: the off-policy data study")
     ex.add_argument("--seeds", type=int, default=5, help="seeds per cell")
     ex.add_argument("--lr", type=float, default=1e-3, help="the learning rate every method shares")
-    ex.add_argument("--max-rounds", type=int, default=100, help="rounds before giving up")
+    ex.add_argument("--max-rounds", type=int, default=200, help="rounds before giving up")
     ex.add_argument("--difficulties", default="hard,medium,easy")
     ex.add_argument("--methods", default="grpo,reval-1,reval-2,reval-4,reval-8")
     ex.add_argument("--out", default="docs/oneshot", help="where the table, JSON and PNG go")
+    ex.add_argument("--beta-grid", default="0.03,0.1,0.3",
+                    help="ReVal's beta is chosen from these on the selection seeds (one value: "
+                    "used as is)")  # fmt: skip
+    ex.add_argument("--lr-grid", default="1e-3,3e-3,1e-2,3e-2",
+                    help="each method's own learning rate is tuned over these on the selection "
+                    "seeds ('' skips the tuned comparison)")  # fmt: skip
+    ex.add_argument("--select-seeds", type=int, default=2, help="seeds of the selection phases")
+    ex.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
     _config_args(ex, "override a field of configs/oneshot.toml (repeatable)")
     sv = sub.add_parser("serve", help="the REST control plane (FastAPI under uvicorn)")
     sv.add_argument("--host", help="listen address (default 127.0.0.1)")
@@ -135,19 +143,27 @@ def has_checkpoint(cfg: RunConfig) -> bool:
 def _experiment(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from services.experiments import DIFFICULTIES, METHODS, oneshot_study
+    from services.experiments import DIFFICULTIES, METHODS, oneshot_study, parse_floats
 
     diffs = tuple(d for d in args.difficulties.split(",") if d)
     methods = tuple(m for m in args.methods.split(",") if m)
     bad = [d for d in diffs if d not in DIFFICULTIES] + [m for m in methods if m not in METHODS]
-    if bad or args.seeds < 1:
+    if bad or args.seeds < 1 or args.select_seeds < 1 or args.workers < 1:
         print(f"reval experiment: unknown {bad} (difficulties {list(DIFFICULTIES)}, methods "
-              f"{list(METHODS)}) or --seeds < 1", file=sys.stderr)  # fmt: skip
+              f"{list(METHODS)}) or --seeds, --select-seeds or --workers < 1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        betas, lrs = parse_floats(args.beta_grid), parse_floats(args.lr_grid)
+    except ValueError as err:
+        print(f"reval experiment: --beta-grid/--lr-grid: {err}", file=sys.stderr)
         return 2
     try:
         report = oneshot_study(Path(args.out), args.seeds, args.lr, args.max_rounds,
                                difficulties=diffs, methods=methods, config=args.config,
-                               overrides=tuple(args.overrides))  # fmt: skip
+                               overrides=tuple(args.overrides), beta_grid=betas, lr_grid=lrs,
+                               select_seeds=args.select_seeds,
+                               workers=args.workers)  # fmt: skip
     except ConfigError as err:
         print(f"reval experiment: {err}", file=sys.stderr)
         return 2

@@ -5,18 +5,33 @@ One-shot tasks whose initial success rate is about 0.10 / 0.40 / 0.68 (hard / me
 every update) and ReVal with step = K (K updates per generation round from the FIFO buffer). Each
 run stops when the exact success rate (the policy's probability of an accepted answer, no
 sampling noise) reaches the threshold; its generation round is the result (censored at
-``max_rounds``). All methods share one learning rate. Writes ``oneshot.json``, ``oneshot.md`` (the
-table of median rounds and the GRPO / ReVal-8 ratios) and ``oneshot.png`` (success rate vs
-generation round, one panel per difficulty, one line per method: the mean over seeds).
+``max_rounds``).
+
+The study has four phases; the selection phases use their own seeds (100, 101, ...), never the
+seeds of the reported runs (0, 1, ...):
+
+1. **beta**: ReVal's beta is chosen from ``beta_grid`` on the selection seeds (the ReVal methods
+   with K >= 4 at the shared learning rate; the smallest mean of the per-cell median rounds).
+2. **shared learning rate**: every method at ``lr`` with that beta, ``seeds`` seeds per cell: the
+   paper's comparison (``oneshot.md``, ``oneshot.png``).
+3. **tuning**: each method's own learning rate from ``lr_grid`` on the selection seeds (the
+   smallest mean over the difficulties of the median rounds).
+4. **tuned**: every method at its own learning rate on the reported seeds (``oneshot-tuned.png``).
+
+Writes ``oneshot.json`` (every run's curve, the selection scores, both tables) and ``oneshot.md``.
+Runs go to a pool of ``workers`` processes (one torch thread each).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +41,8 @@ log = logging.getLogger("reval.experiment")
 
 DIFFICULTIES = {"hard": 0.10, "medium": 0.40, "easy": 0.68}
 METHODS = ("grpo", "reval-1", "reval-2", "reval-4", "reval-8")
+SELECT_SEED0 = 100
+"""The selection phases' first seed: far from the reported seeds 0, 1, ..."""
 
 
 @dataclass
@@ -33,20 +50,27 @@ class Cell:
     difficulty: str
     method: str
     seed: int
+    lr: float
+    beta: float
     rounds: int | None
     """Generation rounds to the threshold (None: not within max_rounds)."""
     curve: list[float]
     seconds: float
 
 
+def steps_of(method: str) -> int:
+    """Learner updates per generation round: 1 for GRPO, K for ReVal step = K."""
+    return 1 if method == "grpo" else int(method.split("-")[1])
+
+
 def run_config(
     base: RunConfig, difficulty: str, method: str, seed: int, lr: float, max_rounds: int,
-    threshold: float, out: Path,
+    threshold: float, out: Path, beta: float | None = None,
 ) -> RunConfig:  # fmt: skip
     overrides: dict[str, Any] = {
-        "name": f"{difficulty}-{method}-s{seed}",
+        "name": f"{difficulty}-{method}-s{seed}-lr{lr:g}" + (f"-b{beta:g}" if beta else ""),
         "seed": seed,
-        "output_dir": str(out / "runs"),
+        "output_dir": str(out),
     }
     cfg = base.model_copy(deep=True, update=overrides)
     cfg.task.kind = "oneshot"
@@ -54,106 +78,287 @@ def run_config(
     cfg.learner.rounds = max_rounds
     cfg.learner.lr = lr
     cfg.learner.stop_at_success = threshold
+    cfg.learner.checkpoint_every = 0
     cfg.eval.every = 0
     cfg.metrics.plot = False
     cfg.metrics.progress = False
+    if beta is not None:
+        cfg.algo.beta = beta
     if method == "grpo":
         cfg.algo.name = "grpo"
         cfg.learner.updates_per_round = 1
         cfg.learner.first_update_fresh = True
     else:
         cfg.algo.name = "reval"
-        cfg.learner.updates_per_round = int(method.split("-")[1])
+        cfg.learner.updates_per_round = steps_of(method)
     return cfg
+
+
+@dataclass(frozen=True)
+class Job:
+    difficulty: str
+    method: str
+    seed: int
+    lr: float
+    beta: float
+
+
+def _run_job(base_json: str, job: Job, max_rounds: int, threshold: float) -> Cell:
+    """One run, in a pool worker or in this process: its run directory is thrown away."""
+    from services.train import train
+
+    base = RunConfig.model_validate_json(base_json)
+    with tempfile.TemporaryDirectory(prefix="reval-oneshot-") as tmp:
+        cfg = run_config(base, job.difficulty, job.method, job.seed, job.lr, max_rounds,
+                         threshold, Path(tmp), job.beta)  # fmt: skip
+        t0 = time.perf_counter()
+        result = train(cfg)
+        seconds = time.perf_counter() - t0
+    curve = [float(r.get("success_exact", 0.0)) for r in result.history]
+    reached = bool(curve) and curve[-1] >= threshold
+    rounds = int(result.history[-1]["round"]) if reached else None
+    return Cell(job.difficulty, job.method, job.seed, job.lr, job.beta, rounds, curve, seconds)
+
+
+def _worker_init() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger().setLevel(logging.WARNING)
+
+
+class Runner:
+    """Runs jobs once each (a job asked for twice is served from the cache), in parallel."""
+
+    def __init__(self, base: RunConfig, max_rounds: int, threshold: float, workers: int) -> None:
+        self.base_json = base.model_dump_json()
+        self.max_rounds = max_rounds
+        self.threshold = threshold
+        self.workers = max(1, workers)
+        self.done: dict[Job, Cell] = {}
+
+    def run(self, jobs: Iterable[Job]) -> list[Cell]:
+        jobs = list(dict.fromkeys(jobs))
+        todo = [j for j in jobs if j not in self.done]
+        if self.workers == 1 or len(todo) <= 1:
+            for job in todo:
+                self._record(job, _run_job(self.base_json, job, self.max_rounds, self.threshold))
+        else:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+
+            ctx = mp.get_context("spawn")
+            with ProcessPoolExecutor(min(self.workers, len(todo)), mp_context=ctx,
+                                     initializer=_worker_init) as pool:  # fmt: skip
+                futures = {pool.submit(_run_job, self.base_json, job, self.max_rounds,
+                                       self.threshold): job for job in todo}  # fmt: skip
+                for fut in as_completed(futures):
+                    self._record(futures[fut], fut.result())
+        return [self.done[j] for j in jobs]
+
+    def _record(self, job: Job, cell: Cell) -> None:
+        self.done[job] = cell
+        log.info("%s %s seed %d lr %g beta %g: %s rounds (%.1f s)", job.difficulty, job.method,
+                 job.seed, job.lr, job.beta, cell.rounds, cell.seconds)  # fmt: skip
+
+
+def _median(rounds: Sequence[int | None], cap: int) -> float:
+    """Median rounds, a run that never got there counted as beyond the cap (cap + 1)."""
+    return float(statistics.median([r if r is not None else cap + 1 for r in rounds]))
+
+
+def medians(cells: Sequence[Cell], cap: int) -> dict[str, dict[str, float]]:
+    """difficulty -> method -> median rounds over the cells' seeds."""
+    groups: dict[tuple[str, str], list[int | None]] = {}
+    for c in cells:
+        groups.setdefault((c.difficulty, c.method), []).append(c.rounds)
+    out: dict[str, dict[str, float]] = {}
+    for (d, m), rounds in groups.items():
+        out.setdefault(d, {})[m] = _median(rounds, cap)
+    return out
+
+
+def choose(scores: dict[float, float]) -> float:
+    """The value with the smallest score; a tie goes to the smaller value."""
+    return min(sorted(scores), key=lambda v: (scores[v], v))
+
+
+def select_beta(cells: Sequence[Cell], cap: int) -> tuple[float, dict[float, float]]:
+    """beta -> the mean over (difficulty, method) of the median rounds; the best beta."""
+    scores: dict[float, float] = {}
+    for beta in sorted({c.beta for c in cells}):
+        med = medians([c for c in cells if c.beta == beta], cap)
+        scores[beta] = statistics.mean(v for row in med.values() for v in row.values())
+    return choose(scores), scores
+
+
+def select_lr(
+    cells: Sequence[Cell], cap: int
+) -> tuple[dict[str, float], dict[str, dict[float, float]]]:
+    """Per method: lr -> the mean over the difficulties of the median rounds; the best lr."""
+    scores: dict[str, dict[float, float]] = {}
+    for method in dict.fromkeys(c.method for c in cells):
+        for lr in sorted({c.lr for c in cells if c.method == method}):
+            med = medians([c for c in cells if c.method == method and c.lr == lr], cap)
+            scores.setdefault(method, {})[lr] = statistics.mean(row[method] for row in med.values())
+    return {m: choose(s) for m, s in scores.items()}, scores
 
 
 def oneshot_study(
     out: Path,
     seeds: int = 5,
     lr: float = 1e-3,
-    max_rounds: int = 100,
+    max_rounds: int = 200,
     threshold: float = 0.95,
     difficulties: tuple[str, ...] = tuple(DIFFICULTIES),
     methods: tuple[str, ...] = METHODS,
     config: str | None = None,
     overrides: tuple[str, ...] = (),
+    beta_grid: tuple[float, ...] = (0.03, 0.1, 0.3),
+    lr_grid: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2),
+    select_seeds: int = 2,
+    workers: int = 2,
 ) -> dict[str, Any]:
-    from services.train import train
-
     base = load_config(config or str(Path(__file__).resolve().parents[1] / "configs" /
                                      "oneshot.toml"), list(overrides))  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    cells: list[Cell] = []
-    for difficulty in difficulties:
-        for method in methods:
-            for seed in range(seeds):
-                cfg = run_config(base, difficulty, method, seed, lr, max_rounds, threshold, out)
-                t0 = time.perf_counter()
-                result = train(cfg)
-                curve = [float(r.get("success_exact", 0.0)) for r in result.history]
-                reached = curve[-1] >= threshold
-                cells.append(Cell(difficulty, method, seed,
-                                  result.history[-1]["round"] if reached else None, curve,
-                                  time.perf_counter() - t0))  # fmt: skip
-                log.info("%s %s seed %d: %s rounds", difficulty, method, seed,
-                         cells[-1].rounds)  # fmt: skip
-    report = summarize(cells, methods, difficulties, max_rounds, lr, threshold)
+    t0 = time.perf_counter()
+    runner = Runner(base, max_rounds, threshold, workers)
+    sel = range(SELECT_SEED0, SELECT_SEED0 + select_seeds)
+    main = range(seeds)
+    reval = [m for m in methods if m != "grpo"]
+    report: dict[str, Any] = {"threshold": threshold, "max_rounds": max_rounds, "lr": lr,
+                              "seeds": list(main), "selection_seeds": list(sel)}  # fmt: skip
+
+    # 1. beta on the selection seeds (ReVal with K >= 4, or whichever ReVal methods were asked).
+    beta = base.algo.beta
+    if len(beta_grid) > 1 and reval:
+        sel_methods = [m for m in reval if steps_of(m) >= 4] or reval
+        cells = runner.run(Job(d, m, s, lr, b) for b in beta_grid for d in difficulties
+                           for m in sel_methods for s in sel)  # fmt: skip
+        beta, scores = select_beta(cells, max_rounds)
+        report["beta_selection"] = {"methods": sel_methods, "scores": scores, "chosen": beta}
+    elif beta_grid:
+        beta = beta_grid[0]
+    report["beta"] = beta
+
+    # 2. the paper's comparison: one shared learning rate.
+    shared = runner.run(Job(d, m, s, lr, beta) for d in difficulties for m in methods for s in main)
+    report["shared"] = summarize(shared, methods, difficulties, max_rounds,
+                                 {m: lr for m in methods}, threshold)  # fmt: skip
+    plot(shared, methods, difficulties, out / "oneshot.png", threshold,
+         f"one shared learning rate ({lr:g}), beta {beta:g}")  # fmt: skip
+
+    # 3-4. each method at its own learning rate, tuned on the selection seeds.
+    if lr_grid:
+        cells = runner.run(Job(d, m, s, x, beta) for x in lr_grid for d in difficulties
+                           for m in methods for s in sel)  # fmt: skip
+        lrs, scores = select_lr(cells, max_rounds)
+        report["lr_selection"] = {"scores": scores, "chosen": lrs}
+        tuned = runner.run(Job(d, m, s, lrs[m], beta) for d in difficulties for m in methods
+                           for s in main)  # fmt: skip
+        report["tuned"] = summarize(tuned, methods, difficulties, max_rounds, lrs, threshold)
+        plot(tuned, methods, difficulties, out / "oneshot-tuned.png", threshold,
+             "each method at its own tuned learning rate")  # fmt: skip
+
+    report["seconds"] = time.perf_counter() - t0
+    report["cells"] = [asdict(c) for c in runner.done.values()]
+    report["table"] = render(report)
     (out / "oneshot.json").write_text(json.dumps(report, indent=2))
     (out / "oneshot.md").write_text(report["table"])
-    plot(cells, methods, difficulties, out / "oneshot.png", threshold)
     return report
 
 
-def _median(rounds: list[int | None], cap: int) -> float:
-    """Median rounds, a run that never got there counted as beyond the cap (cap + 1)."""
-    return float(statistics.median([r if r is not None else cap + 1 for r in rounds]))
-
-
 def summarize(
-    cells: list[Cell], methods: tuple[str, ...], difficulties: tuple[str, ...], cap: int,
-    lr: float, threshold: float,
+    cells: list[Cell], methods: Sequence[str], difficulties: Sequence[str], cap: int,
+    lrs: dict[str, float], threshold: float,
 ) -> dict[str, Any]:  # fmt: skip
-    medians: dict[str, dict[str, float]] = {}
-    for d in difficulties:
-        medians[d] = {
-            m: _median([c.rounds for c in cells if c.difficulty == d and c.method == m], cap)
-            for m in methods
-        }
+    med = medians(cells, cap)
     ratios = {}
     if "grpo" in methods and "reval-8" in methods:
-        ratios = {d: medians[d]["grpo"] / medians[d]["reval-8"] for d in difficulties}
-    lines = [f"Median generation rounds to exact success >= {threshold} (lr {lr:g} for every "
-             f"method; > {cap} = not reached)\n",
-             "| difficulty | " + " | ".join(methods) + " | GRPO / ReVal-8 |",
-             "|---|" + "---|" * (len(methods) + 1)]  # fmt: skip
-    for d in difficulties:
-        vals = " | ".join(f"{medians[d][m]:g}" for m in methods)
-        ratio = f"{ratios[d]:.2f}" if d in ratios else "-"
-        lines.append(f"| {d} ({DIFFICULTIES[d]:.2f}) | {vals} | {ratio} |")
-    avg = statistics.mean(ratios.values()) if ratios else None
-    if avg is not None:
-        lines.append(f"\nGRPO / ReVal-8 averaged over the difficulties: {avg:.2f} "
-                     "(the paper: 3.6 / 4.1 / 5.2, average 4.3)")  # fmt: skip
+        ratios = {d: med[d]["grpo"] / med[d]["reval-8"] for d in difficulties}
+    updates = {d: {m: med[d][m] * steps_of(m) for m in methods} for d in difficulties}
+    seconds = {
+        d: {m: statistics.median(c.seconds for c in cells if c.difficulty == d and c.method == m)
+            for m in methods}
+        for d in difficulties
+    }  # fmt: skip
+    censored = sum(c.rounds is None for c in cells)
     return {
-        "threshold": threshold,
-        "lr": lr,
-        "max_rounds": cap,
-        "medians": medians,
+        "lr": lrs,
+        "medians": {d: {m: med[d][m] for m in methods} for d in difficulties},
+        "median_updates": updates,
+        "median_seconds": seconds,
         "ratios": ratios,
-        "ratio_average": avg,
-        "cells": [c.__dict__ for c in cells],
-        "table": "\n".join(lines) + "\n",
+        "ratio_average": statistics.mean(ratios.values()) if ratios else None,
+        "not_reached": censored,
+        "threshold": threshold,
     }
 
 
-def plot(cells: list[Cell], methods: tuple[str, ...], difficulties: tuple[str, ...],
-         path: Path, threshold: float) -> None:  # fmt: skip
+def _table(s: dict[str, Any], methods: Sequence[str], cap: int, key: str, fmt: str) -> list[str]:
+    lines = ["| difficulty | " + " | ".join(methods) + " | GRPO / ReVal-8 |",
+             "|---|" + "---|" * (len(methods) + 1)]  # fmt: skip
+    for d, row in s[key].items():
+        vals = " | ".join(format(row[m], fmt) for m in methods)
+        ratio = f"{s['ratios'][d]:.2f}" if key == "medians" and d in s["ratios"] else "-"
+        lines.append(f"| {d} ({DIFFICULTIES[d]:.2f}) | {vals} | {ratio} |")
+    return lines
+
+
+def render(report: dict[str, Any]) -> str:
+    cap, thr = report["max_rounds"], report["threshold"]
+    shared = report["shared"]
+    methods = list(next(iter(shared["medians"].values())))
+    lines = [f"# One-shot study: generation rounds to exact success >= {thr}\n",
+             f"Seeds {report['seeds'][0]}..{report['seeds'][-1]} per cell; beta and the tuned "
+             f"learning rates chosen on seeds {report['selection_seeds'][0]}.."
+             f"{report['selection_seeds'][-1]}. {cap + 1} = not reached within {cap} rounds. "
+             f"{report['seconds'] / 60:.1f} minutes in all.\n"]  # fmt: skip
+    if "beta_selection" in report:
+        b = report["beta_selection"]
+        lines.append(f"beta chosen on the selection seeds ({', '.join(b['methods'])}; mean of "
+                     "the median rounds): " + ", ".join(f"{k:g}: {v:.1f}" for k, v in
+                                                        b["scores"].items())
+                     + f" -> **{b['chosen']:g}**\n")  # fmt: skip
+    lines.append(f"## One shared learning rate ({report['lr']:g}), beta {report['beta']:g}\n")
+    lines += _table(shared, methods, cap, "medians", "g")
+    if shared["ratio_average"] is not None:
+        lines.append(f"\nGRPO / ReVal-8 averaged over the difficulties: "
+                     f"**{shared['ratio_average']:.2f}** (the paper: 3.6 / 4.1 / 5.2, average "
+                     "4.3)\n")  # fmt: skip
+    lines.append("Median learner updates (rounds x K):\n")
+    lines += _table(shared, methods, cap, "median_updates", "g")
+    lines.append("\nMedian wall-clock seconds per run (2-core CPU, one thread per run):\n")
+    lines += _table(shared, methods, cap, "median_seconds", ".1f")
+    if "tuned" in report:
+        t, sel = report["tuned"], report["lr_selection"]
+        lines.append("\n## Each method at its own learning rate (tuned on the selection seeds)\n")
+        lines.append("| method | " + " | ".join(f"lr {x:g}" for x in
+                                                next(iter(sel["scores"].values())))
+                     + " | chosen |")  # fmt: skip
+        lines.append("|---|" + "---|" * (len(next(iter(sel["scores"].values()))) + 1))
+        for m, sc in sel["scores"].items():
+            lines.append(f"| {m} | " + " | ".join(f"{v:.1f}" for v in sc.values())
+                         + f" | {sel['chosen'][m]:g} |")  # fmt: skip
+        lines.append("\n(mean over the difficulties of the median rounds on the selection seeds)\n")
+        lines += _table(t, methods, cap, "medians", "g")
+        if t["ratio_average"] is not None:
+            lines.append(f"\nGRPO / ReVal-8 at tuned learning rates, averaged: "
+                         f"**{t['ratio_average']:.2f}**\n")  # fmt: skip
+        lines.append("Median wall-clock seconds per run:\n")
+        lines += _table(t, methods, cap, "median_seconds", ".1f")
+    return "\n".join(lines) + "\n"
+
+
+def plot(cells: list[Cell], methods: Sequence[str], difficulties: Sequence[str], path: Path,
+         threshold: float, title: str) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(difficulties), figsize=(4.5 * len(difficulties), 3.6),
+    fig, axes = plt.subplots(1, len(difficulties), figsize=(4.5 * len(difficulties), 3.8),
                              squeeze=False, sharey=True)  # fmt: skip
     for ax, d in zip(axes[0], difficulties, strict=True):
         for m in methods:
@@ -168,8 +373,17 @@ def plot(cells: list[Cell], methods: tuple[str, ...], difficulties: tuple[str, .
         ax.axhline(threshold, color="grey", ls="--", lw=0.8)
         ax.set_title(f"{d} (base {DIFFICULTIES[d]:.2f})")
         ax.set_xlabel("generation round")
-    axes[0][0].set_ylabel("success rate (exact)")
+    axes[0][0].set_ylabel("success rate (exact, mean over seeds)")
     axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def parse_floats(text: str) -> tuple[float, ...]:
+    """'1e-3,3e-3' -> (0.001, 0.003); an empty string -> (); a bad value raises ValueError."""
+    vals = tuple(float(x) for x in text.split(",") if x.strip())
+    if any(not math.isfinite(v) or v <= 0 for v in vals):
+        raise ValueError(f"values must be positive and finite: {text!r}")
+    return vals
