@@ -105,10 +105,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--beta-grid", default="0.03,0.1,0.3",
                     help="ReVal's beta is chosen from these on the selection seeds (one value: "
                     "used as is)")  # fmt: skip
-    ex.add_argument("--lr-grid", default="1e-3,3e-3,1e-2,3e-2",
+    ex.add_argument("--lr-grid", default="1e-3,2e-3,3e-3,1e-2",
                     help="each method's own learning rate is tuned over these on the selection "
                     "seeds ('' skips the tuned comparison)")  # fmt: skip
-    ex.add_argument("--select-seeds", type=int, default=2, help="seeds of the selection phases")
+    ex.add_argument("--select-seeds", type=int, default=3, help="seeds of the selection phases")
     ex.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
     _config_args(ex, "override a field of configs/oneshot.toml (repeatable)")
     sv = sub.add_parser("serve", help="the REST control plane (FastAPI under uvicorn)")

@@ -56,6 +56,11 @@ class Cell:
     """Generation rounds to the threshold (None: not within max_rounds)."""
     curve: list[float]
     seconds: float
+    """The whole run: model set-up, pretraining, calibration and the RL loop."""
+    loop_s: float = 0.0
+    """The RL loop's generation and updates only (the rounds' ``round_s``)."""
+    gen_s: float = 0.0
+    """Of which generation."""
 
 
 def steps_of(method: str) -> int:
@@ -117,7 +122,10 @@ def _run_job(base_json: str, job: Job, max_rounds: int, threshold: float) -> Cel
     curve = [float(r.get("success_exact", 0.0)) for r in result.history]
     reached = bool(curve) and curve[-1] >= threshold
     rounds = int(result.history[-1]["round"]) if reached else None
-    return Cell(job.difficulty, job.method, job.seed, job.lr, job.beta, rounds, curve, seconds)
+    loop_s = sum(float(r.get("round_s", 0.0)) for r in result.history)
+    gen_s = sum(float(r.get("gen_s", 0.0)) for r in result.history)
+    return Cell(job.difficulty, job.method, job.seed, job.lr, job.beta, rounds, curve, seconds,
+                loop_s, gen_s)  # fmt: skip
 
 
 def _worker_init() -> None:
@@ -215,8 +223,8 @@ def oneshot_study(
     config: str | None = None,
     overrides: tuple[str, ...] = (),
     beta_grid: tuple[float, ...] = (0.03, 0.1, 0.3),
-    lr_grid: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2),
-    select_seeds: int = 2,
+    lr_grid: tuple[float, ...] = (1e-3, 2e-3, 3e-3, 1e-2),
+    select_seeds: int = 3,
     workers: int = 2,
 ) -> dict[str, Any]:
     base = load_config(config or str(Path(__file__).resolve().parents[1] / "configs" /
@@ -278,17 +286,22 @@ def summarize(
     if "grpo" in methods and "reval-8" in methods:
         ratios = {d: med[d]["grpo"] / med[d]["reval-8"] for d in difficulties}
     updates = {d: {m: med[d][m] * steps_of(m) for m in methods} for d in difficulties}
-    seconds = {
-        d: {m: statistics.median(c.seconds for c in cells if c.difficulty == d and c.method == m)
-            for m in methods}
-        for d in difficulties
-    }  # fmt: skip
+
+    def per_cell(f: Any) -> dict[str, dict[str, Any]]:
+        return {d: {m: f([c for c in cells if c.difficulty == d and c.method == m])
+                    for m in methods} for d in difficulties}  # fmt: skip
+
+    seconds = per_cell(lambda cs: statistics.median(c.loop_s for c in cs))
+    gen_share = per_cell(lambda cs: sum(c.gen_s for c in cs) / max(sum(c.loop_s for c in cs), 1e-9))
+    reached = per_cell(lambda cs: f"{sum(c.rounds is not None for c in cs)}/{len(cs)}")
     censored = sum(c.rounds is None for c in cells)
     return {
         "lr": lrs,
         "medians": {d: {m: med[d][m] for m in methods} for d in difficulties},
         "median_updates": updates,
         "median_seconds": seconds,
+        "generation_share": gen_share,
+        "reached": reached,
         "ratios": ratios,
         "ratio_average": statistics.mean(ratios.values()) if ratios else None,
         "not_reached": censored,
@@ -297,12 +310,19 @@ def summarize(
 
 
 def _table(s: dict[str, Any], methods: Sequence[str], cap: int, key: str, fmt: str) -> list[str]:
-    lines = ["| difficulty | " + " | ".join(methods) + " | GRPO / ReVal-8 |",
-             "|---|" + "---|" * (len(methods) + 1)]  # fmt: skip
+    """One row per difficulty; a GRPO / ReVal-8 column where both ran (not for shares)."""
+    ratio_col = key != "generation_share" and "grpo" in methods and "reval-8" in methods
+    head = " | ".join(methods) + (" | GRPO / ReVal-8 |" if ratio_col else " |")
+    lines = ["| difficulty | " + head, "|---|" + "---|" * (len(methods) + int(ratio_col))]
     for d, row in s[key].items():
-        vals = " | ".join(format(row[m], fmt) for m in methods)
-        ratio = f"{s['ratios'][d]:.2f}" if key == "medians" and d in s["ratios"] else "-"
-        lines.append(f"| {d} ({DIFFICULTIES[d]:.2f}) | {vals} | {ratio} |")
+        if key == "medians":
+            vals = " | ".join(f"{row[m]:g} ({s['reached'][d][m]})" for m in methods)
+        else:
+            vals = " | ".join(format(row[m], fmt) for m in methods)
+        ratio = ""
+        if ratio_col:
+            ratio = f" {row['grpo'] / row['reval-8']:.2f} |" if row["reval-8"] else " - |"
+        lines.append(f"| {d} ({DIFFICULTIES[d]:.2f}) | {vals} |{ratio}")
     return lines
 
 
@@ -318,10 +338,11 @@ def render(report: dict[str, Any]) -> str:
     if "beta_selection" in report:
         b = report["beta_selection"]
         lines.append(f"beta chosen on the selection seeds ({', '.join(b['methods'])}; mean of "
-                     "the median rounds): " + ", ".join(f"{k:g}: {v:.1f}" for k, v in
+                     "the median rounds): " + ", ".join(f"{float(k):g}: {v:.1f}" for k, v in
                                                         b["scores"].items())
                      + f" -> **{b['chosen']:g}**\n")  # fmt: skip
     lines.append(f"## One shared learning rate ({report['lr']:g}), beta {report['beta']:g}\n")
+    lines.append("Median generation rounds (runs that reached the threshold / runs):\n")
     lines += _table(shared, methods, cap, "medians", "g")
     if shared["ratio_average"] is not None:
         lines.append(f"\nGRPO / ReVal-8 averaged over the difficulties: "
@@ -329,12 +350,15 @@ def render(report: dict[str, Any]) -> str:
                      "4.3)\n")  # fmt: skip
     lines.append("Median learner updates (rounds x K):\n")
     lines += _table(shared, methods, cap, "median_updates", "g")
-    lines.append("\nMedian wall-clock seconds per run (2-core CPU, one thread per run):\n")
-    lines += _table(shared, methods, cap, "median_seconds", ".1f")
+    lines.append("\nMedian seconds of the RL loop to the threshold (generation and updates, no "
+                 "set-up; one thread per run, two runs at a time on the 2-core VM):\n")  # fmt: skip
+    lines += _table(shared, methods, cap, "median_seconds", ".2f")
+    lines.append("\nShare of the loop spent generating:\n")
+    lines += _table(shared, methods, cap, "generation_share", ".2f")
     if "tuned" in report:
         t, sel = report["tuned"], report["lr_selection"]
         lines.append("\n## Each method at its own learning rate (tuned on the selection seeds)\n")
-        lines.append("| method | " + " | ".join(f"lr {x:g}" for x in
+        lines.append("| method | " + " | ".join(f"lr {float(x):g}" for x in
                                                 next(iter(sel["scores"].values())))
                      + " | chosen |")  # fmt: skip
         lines.append("|---|" + "---|" * (len(next(iter(sel["scores"].values()))) + 1))
@@ -346,8 +370,8 @@ def render(report: dict[str, Any]) -> str:
         if t["ratio_average"] is not None:
             lines.append(f"\nGRPO / ReVal-8 at tuned learning rates, averaged: "
                          f"**{t['ratio_average']:.2f}**\n")  # fmt: skip
-        lines.append("Median wall-clock seconds per run:\n")
-        lines += _table(t, methods, cap, "median_seconds", ".1f")
+        lines.append("Median seconds of the RL loop to the threshold:\n")
+        lines += _table(t, methods, cap, "median_seconds", ".2f")
     return "\n".join(lines) + "\n"
 
 
