@@ -20,6 +20,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/reval train
 
+# The one-shot study of docs/eval.md (about 25 minutes on 2 cores: two runs at a time).
 oneshot: $(STAMP)
 	$(BIN)/reval experiment oneshot --out docs/oneshot
 

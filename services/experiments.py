@@ -267,12 +267,13 @@ def oneshot_study(
                            for s in main)  # fmt: skip
         report["tuned"] = summarize(tuned, methods, difficulties, max_rounds, lrs, threshold)
         plot(tuned, methods, difficulties, out / "oneshot-tuned.png", threshold,
-             "each method at its own tuned learning rate")  # fmt: skip
+             "each method at its own tuned learning rate", lrs)  # fmt: skip
 
     report["seconds"] = time.perf_counter() - t0
-    report["cells"] = [asdict(c) for c in runner.done.values()]
+    report["cells"] = [{**asdict(c), "curve": [round(x, 4) for x in c.curve]}
+                       for c in runner.done.values()]  # fmt: skip
     report["table"] = render(report)
-    (out / "oneshot.json").write_text(json.dumps(report, indent=2))
+    (out / "oneshot.json").write_text(json.dumps(report))
     (out / "oneshot.md").write_text(report["table"])
     return report
 
@@ -376,7 +377,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def plot(cells: list[Cell], methods: Sequence[str], difficulties: Sequence[str], path: Path,
-         threshold: float, title: str) -> None:  # fmt: skip
+         threshold: float, title: str, lrs: dict[str, float] | None = None) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
@@ -393,7 +394,7 @@ def plot(cells: list[Cell], methods: Sequence[str], difficulties: Sequence[str],
             # A run that stopped at the threshold stays there.
             padded = [c + [c[-1]] * (n - len(c)) for c in curves]
             mean = [statistics.mean(col) for col in zip(*padded, strict=True)]
-            ax.plot(range(n), mean, label=m)
+            ax.plot(range(n), mean, label=f"{m} (lr {lrs[m]:g})" if lrs else m)
         ax.axhline(threshold, color="grey", ls="--", lw=0.8)
         ax.set_title(f"{d} (base {DIFFICULTIES[d]:.2f})")
         ax.set_xlabel("generation round")
