@@ -144,6 +144,17 @@ class CeilingResult:
 
 
 @dataclass
+class ClientCeiling:
+    """redis-py moving raw blobs with no record logic: what the Python client alone reaches."""
+
+    value_bytes: int
+    batch: int
+    records: int
+    push_rps: float
+    read_rps: float
+
+
+@dataclass
 class Target:
     name: str
     measured: str
@@ -397,6 +408,29 @@ def server_ceiling(url: str, scale: float) -> list[CeilingResult]:
     return out
 
 
+def client_ceiling(client: redis.Redis, key: str, size: int, batch: int, n: int) -> ClientCeiling:
+    """LPUSH of ``batch`` ready-made ``size``-byte blobs per command, then LRANGE of ``batch`` per
+    command: one round trip per batch, no encoding, decoding or ring bookkeeping. The ring's
+    rates beside this say what its own work costs on the same machine in the same run."""
+    blob = np.random.default_rng(0).bytes(size)
+    values = [blob[:-8] + i.to_bytes(8, "little") for i in range(batch)]
+    rounds = max(1, n // batch)
+    client.delete(key)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            client.lpush(key, *values)
+        push = rounds * batch / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(rounds):
+            got = client.lrange(key, i * batch, (i + 1) * batch - 1)
+            assert len(got) == batch
+        read = rounds * batch / (time.perf_counter() - t0)
+    finally:
+        client.delete(key)
+    return ClientCeiling(size, batch, rounds * batch, push, read)
+
+
 # -- report -------------------------------------------------------------------------------------
 
 
@@ -434,6 +468,7 @@ def report(
     samples: Sequence[SampleResult],
     ceiling: Sequence[CeilingResult],
     goals: Sequence[Target],
+    clients: Sequence[ClientCeiling] = (),
 ) -> str:
     label = {s.name: s.label for s in SIZES.values()}
     parts = [
@@ -511,6 +546,20 @@ def report(
                     c.note,
                 ]
                 for c in ceiling
+            ],
+        ),
+        "## Python client ceiling: redis-py, raw blobs, one command per batch (LPUSH / LRANGE)",
+        table(
+            ["value bytes", "batch", "records", "push rec/s", "read rec/s"],
+            [
+                [
+                    f"{c.value_bytes:,}",
+                    f"{c.batch:,}",
+                    f"{c.records:,}",
+                    f"{c.push_rps:,.0f}",
+                    f"{c.read_rps:,.0f}",
+                ]
+                for c in clients
             ],
         ),
         "## Targets",
@@ -597,6 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inserts: list[InsertResult] = []
     samples: list[SampleResult] = []
     ceiling: list[CeilingResult] = []
+    clients: list[ClientCeiling] = []
     try:
         for name in args.sizes:
             spec, capacity = SIZES[name], args.capacity[name]
@@ -642,6 +692,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr, flush=True)  # fmt: skip
             rings.drop(ring)
             del pool
+        if "2k" in args.sizes:
+            n = max(10_240, int(50_000 * args.scale))
+            clients.append(client_ceiling(client, f"{prefix}client-ceiling", 2048, 1024, n))
+            print(f"[2 KB] redis-py ceiling: push {clients[-1].push_rps:,.0f} rec/s, read "
+                  f"{clients[-1].read_rps:,.0f} rec/s", file=sys.stderr, flush=True)  # fmt: skip
         rings.cleanup()  # free the memory before redis-benchmark fills db 15
         if not args.no_ceiling:
             ceiling = server_ceiling(args.url, args.scale)
@@ -650,7 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         client.close()
 
     goals = targets(inserts, samples)
-    print(report(meta, codecs, inserts, samples, ceiling, goals))
+    print(report(meta, codecs, inserts, samples, ceiling, goals, clients))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         raw = {
@@ -659,6 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "insert": [dataclasses.asdict(r) for r in inserts],
             "sample": [dataclasses.asdict(r) for r in samples],
             "ceiling": [dataclasses.asdict(c) for c in ceiling],
+            "client_ceiling": [dataclasses.asdict(c) for c in clients],
             "targets": [dataclasses.asdict(g) for g in goals],
         }
         args.json.write_text(json.dumps(raw, indent=1) + "\n")
