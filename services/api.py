@@ -403,7 +403,18 @@ def create_app(
               dependencies=[Depends(write_auth)])  # fmt: skip
     def create_run(body: CreateRun) -> RunInfo:
         data = dict(body.config)
-        buffer = dict(data.get("buffer", {}))
+
+        def section(key: str) -> dict[str, Any]:
+            """A config section given in the body: an object, or a 422 naming it."""
+            value = data.get(key, {})
+            if not isinstance(value, dict):
+                raise HTTPException(422, [{"loc": ["body", "config", key],
+                                           "msg": f"config.{key} must be an object (a section "
+                                                  f"of the config), got {type(value).__name__}",
+                                           "type": "value_error"}])  # fmt: skip
+            return dict(value)
+
+        buffer = section("buffer")
         # The run uses the API's replay service and key prefix: the API must see its keys (a
         # default left in a resolved config is replaced; another explicit value is refused).
         for key, value in (("backend", "redis"), ("redis_url", cfg.redis_url),
@@ -417,7 +428,7 @@ def create_app(
         data["buffer"] = buffer
         data.setdefault("output_dir", cfg.output_dir)
         if body.workers is not None:
-            data["launch"] = {**dict(data.get("launch", {})), "workers": body.workers}
+            data["launch"] = {**section("launch"), "workers": body.workers}
         try:
             run_cfg = build_config(data)
         except ConfigError as err:

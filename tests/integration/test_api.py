@@ -85,6 +85,11 @@ def test_create_get_list(client, api_cfg):
         ({"learner": {"nonsense": 1}}, "learner.nonsense"),
         ({"buffer": {"key_prefix": "someone-else:"}}, "key_prefix"),
         ({"buffer": {"capacity": 8}}, "learner.batch_size"),
+        # A section that is not an object (found by the OpenAPI fuzz: it was a 500).
+        ({"buffer": [[]]}, "config.buffer must be an object"),
+        ({"buffer": None}, "config.buffer must be an object"),
+        ({"learner": [[]]}, "learner"),
+        ({"launch": "x"}, "launch"),
     ],
 )
 def test_bad_configs_are_422_naming_the_field(client, config, needle):
@@ -92,6 +97,14 @@ def test_bad_configs_are_422_naming_the_field(client, config, needle):
     assert r.status_code == 422, r.text
     assert needle in r.text
     assert client.get("/v1/runs").json() == []  # nothing registered
+
+
+def test_a_launch_section_that_is_not_an_object_is_422_with_workers(client):
+    r = client.post("/v1/runs", json={"config": {"launch": []}, "workers": 2, "start": False},
+                    headers=AUTH)  # fmt: skip
+    assert r.status_code == 422, r.text
+    assert "config.launch must be an object" in r.text
+    assert client.get("/v1/runs").json() == []
 
 
 def test_bad_bodies_are_422(client):
