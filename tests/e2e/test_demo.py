@@ -1,4 +1,8 @@
-"""The demo, shortened: `configs/demo.toml` as `make demo` runs it, fewer rounds; reward rises."""
+"""The demo, shortened: `configs/demo.toml` as `make demo` runs it, fewer rounds; reward rises.
+
+Half the demo's 400 rounds: the curve's rise comes 50 rounds later on some CPUs than on others
+(kernels round differently and the RL loop amplifies it, docs/demo.md), and 150 rounds left one
+of them at exactly the threshold."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from services.train import train
 def test_shortened_demo_learns_addition(tmp_path):
     cfg = load_config(
         overrides=[
-            "learner.rounds=150",
+            "learner.rounds=200",
             "eval.every=50",
             f"output_dir={tmp_path}",
             "metrics.progress=false",
