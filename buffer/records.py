@@ -363,10 +363,13 @@ def _build_checked(objs: Sequence[tuple[Any, ...]]) -> list[Trajectory] | None:
     finds which, one by one)."""
     if not objs:
         return []
-    cols = list(zip(*objs, strict=True))
-    for col, allowed in zip(cols, _COLUMN_TYPES, strict=True):
-        if not set(map(type, col)) <= allowed:
+    cols: list[Sequence[Any]] = list(zip(*objs, strict=True))
+    for i, allowed in enumerate(_COLUMN_TYPES):
+        kinds = set(map(type, cols[i]))
+        if not kinds <= allowed:
             return None
+        if i in _FLOAT_COLUMNS and kinds != _JUST_FLOAT:
+            cols[i] = list(map(float, cols[i]))  # an int-valued float arrives as an int
     n_p = np.fromiter(map(len, cols[1]), np.int64, len(objs))
     n_r = np.fromiter(map(len, cols[2]), np.int64, len(objs))
     n_l = np.fromiter(map(len, cols[3]), np.int64, len(objs))
@@ -390,33 +393,17 @@ def _build_checked(objs: Sequence[tuple[Any, ...]]) -> list[Trajectory] | None:
     r_at = [0, *np.cumsum(n_r).tolist()]
     new = Trajectory.__new__
     out: list[Trajectory] = []
-    for k, (
-        _,
-        _,
-        _,
-        _,
-        rr,
-        rw,
-        pid,
-        gid,
-        fr,
-        pv,
-        wid,
-        rid,
-        tid,
-        ca,
-        rv,
-        rls,
-        rval,
-        uc,
-    ) in enumerate(objs):
+    append = out.append
+    for k, (rr, rw, pid, gid, fr, pv, wid, rid, tid, ca, rv, rls, rval, uc) in enumerate(
+        zip(*cols[4:], strict=True)
+    ):
         t = new(Trajectory)
         t.prompt_ids = pa[p_at[k] : p_at[k + 1]]
         r0, r1 = r_at[k], r_at[k + 1]
         t.response_ids = ra[r0:r1]
         t.logprobs = la[r0:r1]
-        t.reward_raw = float(rr)
-        t.reward = float(rw)
+        t.reward_raw = rr
+        t.reward = rw
         t.prompt_id = pid
         t.group_id = gid
         t.finish_reason = fr
@@ -424,16 +411,20 @@ def _build_checked(objs: Sequence[tuple[Any, ...]]) -> list[Trajectory] | None:
         t.worker_id = wid
         t.run_id = rid
         t.traj_id = tid
-        t.created_at = float(ca)
+        t.created_at = ca
         t.ref_version = rv
-        t.ref_logprob_sum = float(rls)
-        t.ref_value = float(rval)
+        t.ref_logprob_sum = rls
+        t.ref_value = rval
         t.use_count = uc
-        out.append(t)
+        append(t)
     return out
 
 
 _REASONS = frozenset(_FINISH_REASONS)
+# The wire columns that may hold an int or a float (rewards, created_at, reference quantities):
+# their values become floats.
+_FLOAT_COLUMNS = frozenset(i for i, name in enumerate(WIRE_FIELDS) if float in _TYPES.get(name, ()))
+_JUST_FLOAT = {float}
 
 
 def decode(data: bytes, max_bytes: int = 64 << 20) -> Trajectory:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import hiredis
+import numpy as np
 
 MULTI = b"*1\r\n$5\r\nMULTI\r\n"
 EXEC = b"*1\r\n$4\r\nEXEC\r\n"
@@ -61,21 +62,28 @@ _INCR = b"$6\r\nINCRBY\r\n$3\r\nu32\r\n"
 _GET = b"$3\r\nGET\r\n$3\r\nu32\r\n"
 
 
+# 10, 100, ...: np.searchsorted(_POW10, s, side="right") + 1 is the number of digits of s >= 0.
+_POW10 = np.array([10**i for i in range(1, 19)], dtype=np.int64)
+
+
 def bitfield_u32(key: str, slots: Sequence[int], by: int | None) -> bytes:
     """``BITFIELD key INCRBY u32 #s by ...`` (``by`` None: ``GET u32 #s``; a negative ``by``
-    saturates at 0: ``OVERFLOW SAT`` first)."""
+    saturates at 0: ``OVERFLOW SAT`` first). The per-slot part is one ``%`` over the whole
+    batch: the offsets' lengths come from numpy, not a format call per slot."""
+    n = len(slots)
     if by is None:
-        head, per = 2 + 3 * len(slots), _GET
-        tail = b""
+        head, per, tail = 2 + 3 * n, _GET, b""
     else:
-        head, per = 2 + 4 * len(slots), _INCR
-        tail = _bulk(b"%d" % by)
+        head, per, tail = 2 + 4 * n, _INCR, _bulk(b"%d" % by)
     prefix = b""
     if by is not None and by < 0:
         head += 2
         prefix = b"$8\r\nOVERFLOW\r\n$3\r\nSAT\r\n"
-    parts = [b"*%d\r\n$8\r\nBITFIELD\r\n" % head, _bulk(key), prefix]
-    for s in slots:
-        tok = b"#%d" % s
-        parts += (per, b"$%d\r\n%s\r\n" % (len(tok), tok), tail)
-    return b"".join(parts)
+    s = np.asarray(slots, dtype=np.int64)
+    if n and s.min() < 0:
+        raise ValueError("bit offsets must be >= 0")
+    pairs = np.empty(2 * n, dtype=np.int64)
+    pairs[0::2] = np.searchsorted(_POW10, s, side="right") + 2  # "#" and the digits
+    pairs[1::2] = s
+    body = ((per + b"$%d\r\n#%d\r\n" + tail) * n) % tuple(pairs.tolist())
+    return b"".join([b"*%d\r\n$8\r\nBITFIELD\r\n" % head, _bulk(key), prefix, body])

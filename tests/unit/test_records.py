@@ -162,3 +162,22 @@ def test_batch_codec_finds_exactly_the_bad_records(kinds):
     else:
         with pytest.raises(RecordError, match=rf"record {first_bad} "):
             encode_many(trajs)
+
+
+def test_int_valued_float_fields_decode_as_floats_in_a_batch():
+    """Another producer's msgpack may write 1.0 as the int 1: the batch decoder (and the single
+    one) still hands out floats, and a batch that mixes both forms decodes the same."""
+    from buffer.records import decode_many
+
+    floats = ("reward_raw", "reward", "created_at", "ref_logprob_sum", "ref_value")
+    as_ints = _wire(**dict.fromkeys(floats, 1))
+    as_floats = _wire(**dict.fromkeys(floats, 1.0))
+    for blobs in ([as_ints] * 3, [as_floats, as_ints, as_floats]):
+        good, bad = decode_many(blobs)
+        assert not bad and len(good) == len(blobs)
+        for t in good:
+            for name in floats:
+                value = getattr(t, name)
+                assert type(value) is float and value == 1.0, (name, value)
+    single = decode(as_ints)
+    assert all(type(getattr(single, n)) is float for n in floats)

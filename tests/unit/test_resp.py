@@ -40,6 +40,24 @@ def test_bitfield_matches_hiredis(by, slots):
     assert resp.bitfield_u32(KEY, slots, by) == hiredis.pack_command(("BITFIELD", KEY, *args))
 
 
+@pytest.mark.parametrize("by", [None, 1, -1])
+def test_bitfield_at_every_digit_boundary(by):
+    """The offsets' lengths are counted with numpy: each power of ten and the number below it."""
+    slots = [0, *(x for e in range(1, 19) for x in (10**e - 1, 10**e)), 2**63 - 1]
+    if by is None:
+        args = [a for s in slots for a in ("GET", "u32", f"#{s}")]
+    else:
+        args = [a for s in slots for a in ("INCRBY", "u32", f"#{s}", str(by))]
+        if by < 0:
+            args = ["OVERFLOW", "SAT", *args]
+    assert resp.bitfield_u32(KEY, slots, by) == hiredis.pack_command(("BITFIELD", KEY, *args))
+
+
+def test_bitfield_refuses_a_negative_offset():
+    with pytest.raises(ValueError, match="offsets"):
+        resp.bitfield_u32(KEY, [3, -1], 1)
+
+
 def test_pack_small_commands():
     assert resp.pack("HGET", "k", "tail") == b"*3\r\n$4\r\nHGET\r\n$1\r\nk\r\n$4\r\ntail\r\n"
     assert hiredis.pack_command(("MULTI",)) == resp.MULTI
