@@ -11,7 +11,8 @@ For 2 KB records (256 tokens: prompt 64 + response 192) and 40 KB records (5,000
   in batches of 1024, the client's share of an insert / a sample;
 - sample: ``RedisRing.sample(B)`` repeated (the O(1) SAMPLE script, B positions drawn by the
   client, one MULTI/EXEC of an HMGET per chunk touched and a BITFIELD of the use counts, then
-  decode and validation of every record), records/s, MB/s and per-call latency p50/p99; once
+  decode and validation of every record, and the ``reval_buffer_*`` metrics a learner
+  updates), records/s, MB/s and per-call latency p50/p99; once
   more from a ring filled by batches of 64 (more, smaller chunks to read from);
 - beside it, the server ceiling: ``redis-benchmark`` LPUSH of 2 KB / 40 KB values, pipelined
   (-P 16, its default 50 clients), in db 15 (it writes its own key ``mylist`` there, up to about
@@ -54,6 +55,7 @@ from urllib.parse import urlparse
 import numpy as np
 import redis
 
+from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
 from buffer.records import Trajectory, decode_many, encode_many
 from buffer.redis_ring import RedisRing, run_keys
@@ -152,6 +154,10 @@ class ClientCeiling:
     records: int
     push_rps: float
     read_rps: float
+    encode_push_rps: float | None = None
+    """``encode_many`` + LPUSH of the benchmark's own records: the least an insert must do."""
+    read_decode_rps: float | None = None
+    """LRANGE + ``decode_many`` (validation included): the least a sample must do."""
 
 
 @dataclass
@@ -243,6 +249,7 @@ class Rings:
             retry_s=5.0,
             background=background,
             reset=True,
+            metrics=BufferMetrics(),  # as the learner and the workers run it
         )
         self.open.append(ring)
         return ring
@@ -408,14 +415,25 @@ def server_ceiling(url: str, scale: float) -> list[CeilingResult]:
     return out
 
 
-def client_ceiling(client: redis.Redis, key: str, size: int, batch: int, n: int) -> ClientCeiling:
+def client_ceiling(
+    client: redis.Redis,
+    key: str,
+    size: int,
+    batch: int,
+    n: int,
+    records: Sequence[Trajectory] = (),
+) -> ClientCeiling:
     """LPUSH of ``batch`` ready-made ``size``-byte blobs per command, then LRANGE of ``batch`` per
-    command: one round trip per batch, no encoding, decoding or ring bookkeeping. The ring's
-    rates beside this say what its own work costs on the same machine in the same run."""
+    command: one round trip per batch, no encoding, decoding or ring bookkeeping. With
+    ``records``, the same with this project's record format: ``encode_many`` then LPUSH, LRANGE
+    then ``decode_many``; that is the least any insert or sample of these records does, so the
+    ring's rates against it say what the ring itself (positions, eviction, use counts, limiter,
+    random access) costs on the same machine in the same run."""
     blob = np.random.default_rng(0).bytes(size)
     values = [blob[:-8] + i.to_bytes(8, "little") for i in range(batch)]
     rounds = max(1, n // batch)
     client.delete(key)
+    encode_push = read_decode = None
     try:
         t0 = time.perf_counter()
         for _ in range(rounds):
@@ -426,9 +444,21 @@ def client_ceiling(client: redis.Redis, key: str, size: int, batch: int, n: int)
             got = client.lrange(key, i * batch, (i + 1) * batch - 1)
             assert len(got) == batch
         read = rounds * batch / (time.perf_counter() - t0)
+        if len(records) >= batch:
+            client.delete(key)
+            chunks = [records[i : i + batch] for i in range(0, len(records) - batch + 1, batch)]
+            t0 = time.perf_counter()
+            for i in range(rounds):
+                client.lpush(key, *encode_many(chunks[i % len(chunks)]))
+            encode_push = rounds * batch / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for i in range(rounds):
+                good, bad = decode_many(client.lrange(key, i * batch, (i + 1) * batch - 1))
+                assert len(good) == batch and not bad
+            read_decode = rounds * batch / (time.perf_counter() - t0)
     finally:
         client.delete(key)
-    return ClientCeiling(size, batch, rounds * batch, push, read)
+    return ClientCeiling(size, batch, rounds * batch, push, read, encode_push, read_decode)
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -548,9 +578,18 @@ def report(
                 for c in ceiling
             ],
         ),
-        "## Python client ceiling: redis-py, raw blobs, one command per batch (LPUSH / LRANGE)",
+        "## Python client ceiling: redis-py, one command per batch (LPUSH / LRANGE); raw blobs, "
+        "then the 2 KB records with encode_many / decode_many",
         table(
-            ["value bytes", "batch", "records", "push rec/s", "read rec/s"],
+            [
+                "value bytes",
+                "batch",
+                "records",
+                "push rec/s",
+                "read rec/s",
+                "encode + push rec/s",
+                "read + decode rec/s",
+            ],
             [
                 [
                     f"{c.value_bytes:,}",
@@ -558,6 +597,8 @@ def report(
                     f"{c.records:,}",
                     f"{c.push_rps:,.0f}",
                     f"{c.read_rps:,.0f}",
+                    "-" if c.encode_push_rps is None else f"{c.encode_push_rps:,.0f}",
+                    "-" if c.read_decode_rps is None else f"{c.read_decode_rps:,.0f}",
                 ]
                 for c in clients
             ],
@@ -647,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples: list[SampleResult] = []
     ceiling: list[CeilingResult] = []
     clients: list[ClientCeiling] = []
+    small: list[Trajectory] = []
     try:
         for name in args.sizes:
             spec, capacity = SIZES[name], args.capacity[name]
@@ -691,12 +733,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{spec.label}] sample B={b} (filled by 64): {samples[-1].rps:,.0f} rec/s",
                   file=sys.stderr, flush=True)  # fmt: skip
             rings.drop(ring)
+            if spec.name == "2k":
+                small = pool[:4096]  # for the client ceiling with this record format
             del pool
         if "2k" in args.sizes:
             n = max(10_240, int(50_000 * args.scale))
-            clients.append(client_ceiling(client, f"{prefix}client-ceiling", 2048, 1024, n))
-            print(f"[2 KB] redis-py ceiling: push {clients[-1].push_rps:,.0f} rec/s, read "
-                  f"{clients[-1].read_rps:,.0f} rec/s", file=sys.stderr, flush=True)  # fmt: skip
+            c = client_ceiling(client, f"{prefix}client-ceiling", 2048, 1024, n, small)
+            clients.append(c)
+            line = (
+                f"[2 KB] redis-py ceiling: push {c.push_rps:,.0f} rec/s, read {c.read_rps:,.0f}"
+                f" rec/s; encode + push {c.encode_push_rps or 0:,.0f}, read + decode"
+                f" {c.read_decode_rps or 0:,.0f}"
+            )
+            print(line, file=sys.stderr, flush=True)
         rings.cleanup()  # free the memory before redis-benchmark fills db 15
         if not args.no_ceiling:
             ceiling = server_ceiling(args.url, args.scale)
