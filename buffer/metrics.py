@@ -59,8 +59,7 @@ class BatchHistogram(Collector):
         self.observe_many([value])
 
     def observe_many(self, values: Iterable[float]) -> None:
-        v = np.asarray(values if isinstance(values, Sequence | np.ndarray) else list(values),
-                       dtype=np.float64)  # fmt: skip
+        v = np.fromiter(values, dtype=np.float64) if not isinstance(values, np.ndarray) else values
         if v.size == 0:
             return
         if np.isnan(v).any():
