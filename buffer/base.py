@@ -11,6 +11,7 @@ partial Fisher-Yates shuffle (O(B), not O(M)); prioritized sampling walks a sum 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -98,6 +99,18 @@ class ReplayBuffer(Protocol):
         seconds for the rate limiter and for enough trajectories, then raises SampleTimeout."""
         ...
 
+    def take(
+        self, batch_size: int, timeout: float = 0.0, whole_groups: bool = False
+    ) -> SampledBatch:
+        """The newest ``batch_size`` trajectories never handed out before (use count 0), newest
+        first: a fresh batch. ``whole_groups``: only whole groups (the answers to one prompt,
+        contiguous within one insert) and never part of one, so a group of a producer is
+        handed out complete and once (GRPO's on-policy consumption). Use counts go to 1 and the
+        batch counts as sampled, but the rate limiter does not hold it back: each trajectory
+        goes out this way at most once. Respects ``max_staleness``. Waits up to ``timeout``
+        seconds for enough fresh trajectories, then raises SampleTimeout."""
+        ...
+
     def update_priorities(self, traj_ids: Sequence[str], deltas: Sequence[float]) -> int:
         """Set the priorities of held trajectories from their Bellman residuals; returns how
         many were still held. A no-op (returning 0) unless prioritized."""
@@ -121,6 +134,55 @@ class ReplayBuffer(Protocol):
     def reset(self) -> None:
         """Empty the run's buffer and zero its counters (a fresh run under the same id)."""
         ...
+
+
+@dataclass(frozen=True)
+class FreshRun:
+    """Candidates of ``take`` in one insert's range of positions (oldest first)."""
+
+    positions: Sequence[int]
+    group_ids: Sequence[str]
+    usable: Sequence[bool]
+    """Never handed out and not too stale."""
+    truncated: bool = False
+    """The insert's oldest positions were evicted: its first group may be incomplete."""
+
+
+def pick_fresh(runs: Sequence[FreshRun], batch_size: int, whole_groups: bool) -> list[int] | None:
+    """The positions ``take`` hands out: ``runs`` newest insert first; within an insert the
+    newest first. Without ``whole_groups`` the newest ``batch_size`` usable positions; with it,
+    whole groups (contiguous equal group ids within one insert, every member usable, not the
+    possibly incomplete first group of a truncated insert), newest first, passing over a group
+    that does not fit: ``batch_size`` of them, or fewer when uneven groups leave a gap smaller
+    than the largest group picked (no group of that size could fill it). None: not enough."""
+    picked: list[int] = []
+    largest = 0
+    for run in runs:
+        if not whole_groups:
+            for k in range(len(run.positions) - 1, -1, -1):
+                if run.usable[k]:
+                    picked.append(run.positions[k])
+                    if len(picked) == batch_size:
+                        return picked
+            continue
+        bounds = [0]
+        for k in range(1, len(run.group_ids)):
+            if run.group_ids[k] != run.group_ids[k - 1]:
+                bounds.append(k)
+        bounds.append(len(run.group_ids))
+        spans = list(itertools.pairwise(bounds))
+        if run.truncated and spans:
+            spans = spans[1:]
+        for lo, hi in reversed(spans):
+            if hi - lo + len(picked) > batch_size or not all(run.usable[lo:hi]):
+                continue
+            picked += [run.positions[k] for k in range(hi - 1, lo - 1, -1)]
+            largest = max(largest, hi - lo)
+            if len(picked) == batch_size:
+                return picked
+    if whole_groups and picked and batch_size - len(picked) < largest:
+        return picked
+    return None
 
 
 def priority_of(delta: float, alpha: float, eps: float) -> float:

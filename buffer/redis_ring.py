@@ -36,9 +36,11 @@ from buffer import resp
 from buffer.base import (
     BufferStats,
     BufferUnavailable,
+    FreshRun,
     SampledBatch,
     SampleTimeout,
     importance_weights,
+    pick_fresh,
     priority_of,
 )
 from buffer.metrics import BufferMetrics
@@ -389,14 +391,17 @@ class RedisRing:
             raise RecordError(f"{err}; batch not written") from None
         with self._spool_lock:
             chunk = _Chunk([], [], [], 0)
-            for t, b in zip(trajectories, blobs, strict=True):
+            full = False
+            for k, (t, b) in enumerate(zip(trajectories, blobs, strict=True)):
+                # A chunk is cut only between groups (``take`` reads a group from one chunk).
+                if full and t.group_id != trajectories[k - 1].group_id:
+                    self._spool_push(chunk)
+                    chunk = _Chunk([], [], [], 0)
                 chunk.blobs.append(b)
                 chunk.ids.append(t.traj_id)
                 chunk.versions.append(t.policy_version)
                 chunk.nbytes += len(b)
-                if chunk.nbytes >= CHUNK_BYTES or len(chunk.blobs) >= CHUNK_RECORDS:
-                    self._spool_push(chunk)
-                    chunk = _Chunk([], [], [], 0)
+                full = chunk.nbytes >= CHUNK_BYTES or len(chunk.blobs) >= CHUNK_RECORDS
             if chunk.blobs:
                 self._spool_push(chunk)
         if self.background:
@@ -698,6 +703,121 @@ class RedisRing:
             self.metrics.dropped_stale.inc(skipped + dropped)
             self.metrics.size.set(int(size))
         return batch
+
+    def take(
+        self, batch_size: int, timeout: float = 0.0, whole_groups: bool = False
+    ) -> SampledBatch:
+        """Reads the window and the use counts (one round trip), then the never-used records of
+        the newest chunks until enough are found (a chunk is one insert's, cut only between
+        groups), picks them (``buffer.base.pick_fresh``), and counts their uses and the batch in
+        one MULTI/EXEC. One consumer at a time (the learner's rank 0): a position evicted
+        between the read and the count gives its count back and is picked anew."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        start = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        waited = 0.0
+        delay = 0.002
+        while True:
+            try:
+                got = self._retry(
+                    functools.partial(self._take_once, batch_size, whole_groups),
+                    max(0.0, deadline - time.monotonic()),
+                )
+            except BufferUnavailable as err:
+                raise SampleTimeout(str(err)) from err
+            if isinstance(got, SampledBatch):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SampleTimeout(got)
+            t0 = time.perf_counter()
+            time.sleep(min(delay, left))
+            waited += time.perf_counter() - t0
+            delay = min(delay * 2, 0.05)
+        got.wait_s = waited
+        if self.metrics is not None:
+            self.metrics.observe_sample(
+                time.perf_counter() - start, waited, got.staleness.tolist(), [1] * len(got)
+            )
+        return got
+
+    def _take_once(self, batch_size: int, whole_groups: bool) -> SampledBatch | str:
+        """One attempt of ``take``: the batch, or why there is none yet."""
+        k, cap = self.keys, self._capacity
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hmget(k.meta, "head", "tail", "version")
+        pipe.zrangebyscore(k.chunks, f"({self._index.newest}", "+inf", withscores=True)
+        pipe.get(k.use)
+        (head_b, tail_b, ver_b), fresh, use_raw = pipe.execute()
+        head, tail, version = int(head_b or 0), int(tail_b or 0), int(ver_b or 0)
+        with self._index_lock:
+            if self._index.ends and self._index.ends[-1] > head:  # reset by another client
+                self._index = _ChunkIndex()
+            self._index.add([x for end, first in fresh for x in (end, first)])
+            self._index.forget_below(tail)
+            chunks = list(zip(self._index.starts, self._index.ends, strict=True))
+        uses = np.frombuffer(use_raw or b"", dtype=">u4")
+        floor = None if self.max_staleness is None else version - self.max_staleness
+        runs: list[FreshRun] = []
+        found: dict[int, tuple[Trajectory, Any]] = {}
+        unused_total = 0
+        for first, end in reversed(chunks):
+            lo = max(first, tail)
+            slots = np.arange(lo, end) % cap
+            unused = [
+                int(p) for p, s in zip(range(lo, end), slots, strict=True)
+                if s >= len(uses) or uses[s] == 0
+            ]  # fmt: skip
+            if not unused:
+                continue
+            order, tail_now, blobs, refs, _ = self._read(unused, False)
+            good, bad = decode_many([b for b in blobs if b is not None], self.max_record_bytes)
+            if bad:
+                return f"malformed records among the fresh ones of chunk {first}"
+            it = iter(good)
+            by_pos: dict[int, Trajectory] = {}
+            for pos, b, ref in zip(order, blobs, refs, strict=True):
+                if b is not None:
+                    t = next(it)
+                    _apply_ref(t, ref)
+                    by_pos[pos] = t
+                    found[pos] = (t, ref)
+            positions = list(range(lo, end))
+            held = [by_pos.get(p) for p in positions]
+            usable = [t is not None and (floor is None or t.policy_version >= floor) for t in held]
+            gids = [t.group_id if t is not None else "" for t in held]
+            runs.append(FreshRun(positions, gids, usable, truncated=first < tail))
+            unused_total += sum(usable)
+            if unused_total >= batch_size and pick_fresh(runs, batch_size, whole_groups):
+                break
+        picked = pick_fresh(runs, batch_size, whole_groups)
+        if picked is None:
+            what = "in whole groups " if whole_groups else ""
+            return f"fewer than {batch_size} fresh trajectories {what}in {head - tail} held"
+        res = self._transact(
+            [
+                resp.pack("HGET", k.meta, "tail"),
+                resp.bitfield_u32(k.use, [p % cap for p in picked], 1),
+                resp.pack("HINCRBY", k.meta, "sampled", len(picked)),
+            ]
+        )
+        tail_now = int(res[0] or 0)
+        gone = [p for p in picked if p < tail_now]
+        if gone:  # evicted meanwhile: undo every count (also the newer records' in their slots)
+            self._transact(
+                [
+                    resp.bitfield_u32(k.use, [p % cap for p in picked], -1),
+                    resp.pack("HINCRBY", k.meta, "sampled", -len(picked)),
+                ]
+            )
+            return f"{len(gone)} fresh trajectories were evicted while being taken"
+        trajs = [found[p][0] for p in picked]
+        for t in trajs:
+            t.use_count = 1
+        self._remember([t.traj_id for t in trajs], picked)
+        staleness = version - np.asarray([t.policy_version for t in trajs], dtype=np.int64)
+        return SampledBatch(trajs, np.ones(len(trajs), dtype=np.float32), staleness)
 
     def _draw(self, k: int, tail: int, head: int, drawn: set[int]) -> list[int] | None:
         """k distinct positions of [tail, head) not in ``drawn``, uniformly (None: too few)."""

@@ -9,11 +9,20 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
-from buffer.base import BufferStats, SampledBatch, SampleTimeout, importance_weights, priority_of
+from buffer.base import (
+    BufferStats,
+    FreshRun,
+    SampledBatch,
+    SampleTimeout,
+    importance_weights,
+    pick_fresh,
+    priority_of,
+)
 from buffer.metrics import BufferMetrics
 from buffer.records import RecordError, Trajectory
 from buffer.sumtree import SumTree
@@ -60,6 +69,7 @@ class MemoryRing:
         self.alpha, self.beta, self.eps = priority_alpha, priority_beta, priority_eps
         self._tree = SumTree(capacity) if prioritized else None
         self._max_priority = 1.0
+        self._inserts: deque[tuple[int, int]] = deque()  # [start, end) of each insert call
         self.metrics = metrics
         if metrics is not None:
             metrics.capacity.set(capacity)
@@ -85,6 +95,7 @@ class MemoryRing:
                 raise RecordError(f"record {i} ({t.traj_id!r}): {err}; batch not written") from None
         evicted = 0
         with self._cond:
+            first = self._head
             for t in trajectories:
                 if t.traj_id in self._index:
                     continue  # a producer's retry of a batch that already landed
@@ -100,6 +111,10 @@ class MemoryRing:
                 if self._tree is not None:
                     self._tree.set(slot, self._max_priority)
                 self._head += 1
+            if self._head > first:
+                self._inserts.append((first, self._head))
+            while self._inserts and self._inserts[0][1] <= self._tail:
+                self._inserts.popleft()
             self._evicted += evicted
             self._cond.notify_all()
             size = len(self)
@@ -246,6 +261,65 @@ class MemoryRing:
             self.metrics.size.set(size)
         return batch
 
+    def take(
+        self, batch_size: int, timeout: float = 0.0, whole_groups: bool = False
+    ) -> SampledBatch:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        start = time.perf_counter()
+        deadline = start + timeout
+        waited = 0.0
+        with self._cond:
+            dropped = self._drop_stale_prefix()
+            while True:
+                picked = pick_fresh(self._fresh_runs(), batch_size, whole_groups)
+                if picked is not None:
+                    break
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    what = "in whole groups " if whole_groups else ""
+                    raise SampleTimeout(
+                        f"fewer than {batch_size} fresh trajectories {what}in {len(self)} held"
+                    )
+                t0 = time.perf_counter()
+                self._cond.wait(min(left, 0.05))
+                waited += time.perf_counter() - t0
+                dropped += self._drop_stale_prefix()
+            out = []
+            for pos in picked:
+                t = self._slots[pos % self._capacity]
+                assert t is not None
+                t.use_count += 1
+                out.append(t)
+            self._sampled += len(out)
+            version, size = self._version, len(self)
+        staleness = np.array([version - t.policy_version for t in out], dtype=np.int64)
+        batch = SampledBatch(out, np.ones(len(out), dtype=np.float32), staleness, dropped, waited)
+        if self.metrics is not None:
+            self.metrics.observe_sample(
+                time.perf_counter() - start, waited, staleness.tolist(), [1] * len(out)
+            )
+            self.metrics.dropped_stale.inc(dropped)
+            self.metrics.size.set(size)
+        return batch
+
+    def _fresh_runs(self) -> list[FreshRun]:
+        """``take``'s candidates, newest insert first. Caller holds the lock."""
+        floor = None if self.max_staleness is None else self._version - self.max_staleness
+        runs = []
+        for first, end in reversed(self._inserts):
+            lo = max(first, self._tail)
+            if lo >= end:
+                continue
+            held = [self._slots[p % self._capacity] for p in range(lo, end)]
+            usable = [
+                t is not None and t.use_count == 0 and (floor is None or t.policy_version >= floor)
+                for t in held
+            ]
+            gids = [t.group_id if t is not None else "" for t in held]
+            runs.append(FreshRun(range(lo, end), gids, usable, truncated=first < self._tail))
+        return runs
+
     def update_priorities(self, traj_ids: Sequence[str], deltas: Sequence[float]) -> int:
         if len(traj_ids) != len(deltas):
             raise ValueError(f"{len(traj_ids)} ids but {len(deltas)} deltas")
@@ -293,6 +367,7 @@ class MemoryRing:
             self._rejected = self._dropped = self._version = 0
             self._tree = SumTree(self._capacity) if self.prioritized else None
             self._max_priority = 1.0
+            self._inserts.clear()
 
     def stats(self) -> BufferStats:
         with self._cond:

@@ -375,3 +375,94 @@ def test_prefetcher_reports_a_broken_buffer():
 
     with Prefetcher(Broken(4), 2, workers=1) as pf, pytest.raises(RuntimeError, match="fire"):
         pf.get(timeout=5)
+
+
+# -- take: fresh batches and whole groups (GRPO's on-policy consumption) -------------------------
+
+
+def _grouped(first: int, sizes: list[int], version: int = 0) -> list:
+    """Trajectories t{first}... in groups of the given sizes (group ids g{first}-{k})."""
+    out, i = [], first
+    for k, size in enumerate(sizes):
+        for _ in range(size):
+            t = make_traj(i, version=version)
+            t.group_id = f"g{first}-{k}"
+            out.append(t)
+            i += 1
+    return out
+
+
+def test_take_hands_out_the_newest_unused_once(make_buffer):
+    buf = make_buffer(32)
+    buf.insert(_grouped(0, [4, 4]))
+    buf.insert(_grouped(8, [4, 4]))
+    got = buf.take(6)
+    assert [t.traj_id for t in got] == ["t15", "t14", "t13", "t12", "t11", "t10"]
+    assert all(t.use_count == 1 for t in got)
+    nxt = buf.take(6)
+    assert [t.traj_id for t in nxt] == ["t9", "t8", "t7", "t6", "t5", "t4"]
+    with pytest.raises(SampleTimeout, match="fresh"):
+        buf.take(6)
+    assert buf.stats().sampled == 12
+    assert sorted(t.use_count for t in buf.items()) == [0] * 4 + [1] * 12
+
+
+def test_take_whole_groups_never_splits_one(make_buffer):
+    buf = make_buffer(64)
+    buf.insert(_grouped(0, [4, 3, 4]))  # an uneven group among them
+    buf.insert(_grouped(11, [4, 4]))
+    sizes = Counter(t.group_id for t in buf.items())
+    batches = [buf.take(8, whole_groups=True) for _ in range(2)]
+    for batch in batches:
+        in_batch = Counter(t.group_id for t in batch)
+        assert all(in_batch[g] == sizes[g] for g in in_batch), in_batch
+    # Newest groups first; the 4 + 3 of the first insert make 7: the gap of 1 is smaller than
+    # any group, so the batch goes out short rather than waiting.
+    assert batches[0].traj_ids == [f"t{i}" for i in range(18, 10, -1)]
+    assert batches[1].traj_ids == [f"t{i}" for i in range(10, 3, -1)]
+    with pytest.raises(SampleTimeout):
+        buf.take(8, whole_groups=True)  # 4 left: a gap of 4 could hold a group, so it waits
+    assert buf.take(4, whole_groups=True).traj_ids == ["t3", "t2", "t1", "t0"]
+    assert buf.stats().sampled == 19 and {t.use_count for t in buf.items()} == {1}
+
+
+def test_take_skips_a_group_cut_by_eviction_and_used_records(make_buffer):
+    buf = make_buffer(10)
+    buf.insert(_grouped(0, [4, 4, 4]))  # capacity 10: t0, t1 evicted, g0-0 is incomplete
+    with pytest.raises(SampleTimeout):
+        buf.take(12, whole_groups=True)
+    assert buf.take(8, whole_groups=True).traj_ids == [f"t{i}" for i in range(11, 3, -1)]
+    with pytest.raises(SampleTimeout):
+        buf.take(2, whole_groups=True)  # only the cut group's t2, t3 are left
+    assert buf.take(2).traj_ids == ["t3", "t2"]  # (not whole groups: any fresh record)
+
+
+def test_take_after_sample_counts_only_never_used(make_buffer):
+    buf = make_buffer(16, seed=3)
+    buf.insert(_grouped(0, [4, 4]))
+    sampled = {t.traj_id for t in buf.sample(3)}
+    fresh = buf.take(5)
+    assert not sampled & set(fresh.traj_ids)
+    assert {t.use_count for t in buf.items()} == {1}
+    assert buf.stats().sampled == 8
+
+
+def test_take_waits_for_an_insert(make_buffer):
+    buf = make_buffer(16)
+    buf.insert(_grouped(0, [4]))
+    producer = make_buffer  # (the same run for the Redis ring: a second client)
+    del producer
+    threading.Timer(0.3, lambda: buf.insert(_grouped(4, [4]))).start()
+    t0 = time.monotonic()
+    got = buf.take(8, timeout=5.0, whole_groups=True)
+    assert len(got) == 8 and time.monotonic() - t0 >= 0.2
+
+
+def test_take_respects_max_staleness(make_buffer):
+    buf = make_buffer(16, max_staleness=1)
+    buf.insert(_grouped(0, [4], version=0))
+    buf.insert(_grouped(4, [4], version=3))
+    buf.set_policy_version(3)
+    assert buf.take(4, whole_groups=True).traj_ids == ["t7", "t6", "t5", "t4"]
+    with pytest.raises(SampleTimeout):
+        buf.take(4, whole_groups=True)
