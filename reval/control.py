@@ -6,37 +6,125 @@ Keys of run R (the run's hash tag, so one Redis Cluster slot):
 
 - ``{prefix}{R}:control`` (hash): the desired ``phase`` (``running``, ``paused``, ``stopping``),
   the desired rollout ``workers`` (``reval launch`` scales to it), the sequence numbers of
-  ``checkpoint`` and ``export`` requests, and one field per live hyperparameter (``HPARAMS``).
+  ``checkpoint`` and ``export`` requests, and one field ``hp:<name>`` (a JSON number) per live
+  hyperparameter requested (``LiveHParams``).
 - ``{prefix}{R}:status`` (hash): what the learner reports after each update (phase, step,
   policy version, the last metrics, the checkpoints, the hyperparameters in force).
 - ``{prefix}{R}:events`` (stream): every request and every change applied, with the learner's
   step: ``reval runs events`` and ``GET /v1/runs/{R}/events`` read it.
 
-The learner applies hyperparameters at its next step and records each change with that step.
+The live hyperparameters are one typed model, ``LiveHParams``: the API's PATCH body, what
+``RunControl.patch`` writes and what ``RunControl.read`` returns. The learner applies its fields
+at its next step and records each change with that step; the rollout workers apply theirs
+(``temperature``) between batches.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 import redis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PHASES = ("running", "paused", "stopping")
 
-# name -> (type, lower bound, upper bound, who applies it)
-HPARAMS: dict[str, tuple[type, float, float, str]] = {
-    "beta": (float, 1e-6, 1e6, "learner"),
-    "lr": (float, 1e-12, 10.0, "learner"),
-    "samples_per_insert": (float, 1e-3, 1e6, "learner"),
-    "ref_reset_steps": (int, 0, 1e9, "learner"),
-    "max_staleness": (int, -1, 1e9, "learner"),
-    "temperature": (float, 1e-3, 100.0, "workers"),
-}
-"""Hyperparameters that change without a restart. ``max_staleness = -1`` turns the check off."""
+Applier = Literal["learner", "rollout"]
+"""Who applies a live hyperparameter: the learner (at its next step) or the rollout workers
+(between batches)."""
+
+
+def _applied_by(who: Applier) -> dict[str, Any]:
+    return {"applied_by": who}
+
+
+class LiveHParams(BaseModel):
+    """The hyperparameters that change without a restart: the body of
+    ``PATCH /v1/runs/{name}/hparams``, what the control hash holds (one ``hp:<name>`` field each)
+    and what ``RunControl.read()`` hands to the learner and the workers. Every field is optional
+    (None: not set, the run's config is in force); unknown names, non-numbers (strings, booleans),
+    non-finite values and values out of bounds are refused. Immutable: build a new one with
+    ``merged``. Each field's ``applied_by`` (its JSON schema extra; ``applied_by(name)``) says who
+    applies it."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
+
+    beta: float | None = Field(None, gt=0, le=1e6, json_schema_extra=_applied_by("learner"))
+    """KL strength beta of the soft Bellman residual (``algo.beta``)."""
+    lr: float | None = Field(None, gt=0, le=10.0, json_schema_extra=_applied_by("learner"))
+    """Learning rate of every optimizer parameter group (``learner.lr``)."""
+    samples_per_insert: float | None = Field(
+        None, gt=0, le=1e6, json_schema_extra=_applied_by("learner")
+    )
+    """K: the replay limiter's sample-to-insert ratio (``buffer.samples_per_insert``)."""
+    ref_reset_steps: int | None = Field(
+        None, ge=0, le=1_000_000_000, json_schema_extra=_applied_by("learner")
+    )
+    """Copy the policy into the reference every this many rounds; 0: never
+    (``learner.ref_reset_steps``)."""
+    max_staleness: int | None = Field(
+        None, ge=-1, le=1_000_000_000, json_schema_extra=_applied_by("learner")
+    )
+    """Skip trajectories more than this many policy versions old; -1 turns the check off
+    (``buffer.max_staleness``)."""
+    temperature: float | None = Field(
+        None, gt=0, le=100.0, json_schema_extra=_applied_by("rollout")
+    )
+    """Sampling temperature of the rollout workers, from their next batch
+    (``rollout.temperature``)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        # Numbers only: no "0.1" and no True (which lax validation would take as 1).
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"must be a number, got {value!r}")
+        return value
+
+    @classmethod
+    def applied_by(cls, name: str) -> Applier:
+        """``"learner"`` or ``"rollout"``; KeyError for a name that is not a field."""
+        extra = cls.model_fields[name].json_schema_extra
+        assert isinstance(extra, dict)
+        return cast(Applier, extra["applied_by"])
+
+    @classmethod
+    def checked(cls, values: Mapping[str, Any]) -> LiveHParams:
+        """``values`` validated; a ValueError naming every bad field (``name: why``)."""
+        try:
+            return cls.model_validate(dict(values))
+        except ValidationError as err:
+            problems = []
+            for e in err.errors():
+                name = ".".join(str(p) for p in e["loc"]) or "hparams"
+                if e["type"] == "extra_forbidden":
+                    why = f"not a live hyperparameter (one of {sorted(cls.model_fields)})"
+                else:
+                    why = e["msg"].removeprefix("Value error, ")
+                problems.append(f"{name}: {why}")
+            raise ValueError("; ".join(problems)) from None
+
+    def set_fields(self) -> dict[str, Any]:
+        """The fields that are set (not None), by name: for logs, events and status."""
+        return self.model_dump(exclude_none=True)
+
+    def merged(self, other: LiveHParams) -> LiveHParams:
+        """These values with ``other``'s set fields on top."""
+        return self.model_copy(update=other.set_fields())
+
+    def learner_changes(self, applied: LiveHParams) -> LiveHParams:
+        """The learner-applied fields set here whose value differs from ``applied`` (the
+        values in force); every other field None. Empty (no field set) when nothing changes."""
+        return LiveHParams(**{
+            name: value for name, value in self.set_fields().items()
+            if self.applied_by(name) == "learner" and getattr(applied, name) != value
+        })  # fmt: skip
+
 
 EVENTS_MAXLEN = 10_000
 
@@ -73,33 +161,14 @@ def events_key(prefix: str, run: str) -> str:
     return f"{prefix}{{{run}}}:events"
 
 
-def validate_hparams(values: dict[str, Any]) -> dict[str, float | int]:
-    """Checked and typed values; ValueError naming the first bad one."""
-    out: dict[str, float | int] = {}
-    for name, value in values.items():
-        if name not in HPARAMS:
-            raise ValueError(f"{name}: not a live hyperparameter (one of {sorted(HPARAMS)})")
-        kind, lo, hi, _ = HPARAMS[name]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{name}: must be a number, got {value!r}")
-        if kind is int and float(value) != int(value):
-            raise ValueError(f"{name}: must be an integer, got {value!r}")
-        if not math.isfinite(float(value)):
-            raise ValueError(f"{name}: must be finite, got {value!r}")
-        typed = int(value) if kind is int else float(value)
-        if not (lo <= typed <= hi) or typed != typed:
-            raise ValueError(f"{name}: {value!r} outside [{lo:g}, {hi:g}]")
-        out[name] = typed
-    return out
-
-
 @dataclass
 class ControlState:
     phase: str = "running"
     workers: int | None = None
     checkpoint: int = 0
     export: int = 0
-    hparams: dict[str, float | int] = field(default_factory=dict)
+    hparams: LiveHParams = field(default_factory=LiveHParams)
+    """The live hyperparameters requested so far (unset fields: the config's values)."""
     driver_seen: float | None = None
     """When the ``reval launch`` driver of the run last went round its loop (its heartbeat)."""
 
@@ -157,25 +226,27 @@ class RunControl:
         self.client.hset(self.control, "workers", n)
         self.record("request:scale", {"workers": n})
 
-    def patch(self, values: dict[str, Any]) -> dict[str, float | int]:
-        typed = validate_hparams(values)
-        if typed:
+    def patch(self, values: LiveHParams | Mapping[str, Any]) -> LiveHParams:
+        """Request live hyperparameters (validated first: a ValueError naming the bad field
+        writes nothing); returns them typed."""
+        typed = values if isinstance(values, LiveHParams) else LiveHParams.checked(values)
+        if changed := typed.set_fields():
             self.client.hset(
-                self.control, mapping={f"hp:{k}": json.dumps(v) for k, v in typed.items()}
+                self.control, mapping={f"hp:{k}": json.dumps(v) for k, v in changed.items()}
             )
-            self.record("request:hparams", typed)
+            self.record("request:hparams", changed)
         return typed
 
     # -- the services' side -------------------------------------------------------------------
 
     def read(self) -> ControlState:
         raw = {k.decode(): v.decode() for k, v in self.client.hgetall(self.control).items()}
-        hp: dict[str, float | int] = {}
+        hp: dict[str, Any] = {}
         for k, v in raw.items():
-            if k.startswith("hp:") and k[3:] in HPARAMS:
+            if k.startswith("hp:") and k[3:] in LiveHParams.model_fields:
                 try:
-                    hp.update(validate_hparams({k[3:]: json.loads(v)}))
-                except (ValueError, json.JSONDecodeError):
+                    hp.update(LiveHParams.checked({k[3:]: json.loads(v)}).set_fields())
+                except ValueError:  # (json.JSONDecodeError is one)
                     continue  # a foreign writer's garbage never reaches a learner
         phase = raw.get("phase", "running")
         return ControlState(
@@ -183,7 +254,7 @@ class RunControl:
             workers=int(raw["workers"]) if raw.get("workers", "").isdigit() else None,
             checkpoint=int(raw.get("checkpoint", 0) or 0),
             export=int(raw.get("export", 0) or 0),
-            hparams=hp,
+            hparams=LiveHParams.model_validate(hp),
             driver_seen=_float(raw.get("driver_seen")),
         )
 

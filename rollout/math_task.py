@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from reval.config import TaskConfig
-from rollout.tasks import Prompt, Verifier
+from rollout.task_types import Prompt, Verifier
 
 log = logging.getLogger("reval.math")
 

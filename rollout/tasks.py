@@ -6,7 +6,8 @@
   hard/medium/easy problems have base success of about 0.10 / 0.40 / 0.68).
 
 A verifier maps (prompt, response text) to a reward in [0, 1]. The math verifier for real data
-implements the same protocol.
+implements the same protocol. ``Prompt``, ``Verifier`` and ``Task`` live in
+``rollout/task_types.py`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -14,38 +15,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from reval.config import TaskConfig
 from reval.policy import Policy
-
-
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    """Stable id within the task."""
-    text: str
-    """What the model is conditioned on."""
-    answer: str
-    """Gold answer, as the verifier reads it."""
-
-
-class Verifier(Protocol):
-    def score(self, prompt: Prompt, response: str) -> float:
-        """Reward of ``response`` to ``prompt``: 1.0 correct, 0.0 not."""
-        ...
-
-
-class Task(Protocol):
-    name: str
-    prompts: Sequence[Prompt]
-    verifier: Verifier
-
-    def pretrain_texts(self, rng: random.Random, count: int) -> list[str]:
-        """Task-shaped text (prompt + a plausible but random answer) for LM pretraining."""
-        ...
+from rollout.task_types import Prompt, Task, Verifier
 
 
 class ExactMatch:

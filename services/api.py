@@ -1,5 +1,6 @@
 """The REST control plane: ``reval serve`` runs this FastAPI app under uvicorn (``serve``); in a
-Ray cluster ``services/api_serve.py`` mounts the same app object as a Ray Serve deployment.
+Ray cluster ``reval serve --ray`` mounts the same app as a Ray Serve deployment (``ray_app``,
+``run_on_ray``; ``services/api_serve.py`` is the import path for Serve's CLI and KubeRay).
 
 Everything the API knows lives in Redis (the runs it manages in ``{prefix}api:runs``, each run's
 control, status and events keys from ``reval/control.py``, the replay ring's counters, the worker
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -29,6 +31,8 @@ from typing import Annotated, Any
 
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -36,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from reval import registry
 from reval.config import ApiConfig, BufferConfig, ConfigError, build_config
-from reval.control import RunControl, runs_key
+from reval.control import LiveHParams, RunControl, runs_key
 
 log = logging.getLogger("reval.api")
 
@@ -67,21 +71,6 @@ class CreateRun(BaseModel):
 class Scale(BaseModel):
     model_config = ConfigDict(extra="forbid")
     workers: int = Field(..., ge=0, le=4096)
-
-
-class HParams(BaseModel):
-    """Live hyperparameters; the learner applies them at its next step (workers: temperature
-    between batches). Every field optional; at least one."""
-
-    model_config = ConfigDict(extra="forbid")
-    beta: float | None = Field(None, gt=0, le=1e6)
-    lr: float | None = Field(None, gt=0, le=10)
-    samples_per_insert: float | None = Field(None, gt=0, le=1e6)
-    """K: the sample-to-insert ratio of the replay limiter."""
-    ref_reset_steps: int | None = Field(None, ge=0)
-    max_staleness: int | None = Field(None, ge=-1)
-    """-1 turns the staleness check off."""
-    temperature: float | None = Field(None, gt=0, le=100)
 
 
 class Accepted(BaseModel):
@@ -252,6 +241,13 @@ def create_app(
     app.state.store = store
     app.state.metrics = metrics
     app.state.children = {}  # pid -> Popen of runs this process started (reaped on status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own answer, except that a refused NaN or Infinity (Python's JSON parser
+        # reads them) is echoed as a string: as a float it cannot be sent, and that was a 500.
+        detail = _finite(jsonable_encoder(exc.errors()))
+        return JSONResponse({"detail": detail}, status_code=422)
 
     @app.middleware("http")
     async def count(request: Request, call_next: Any) -> Any:
@@ -543,18 +539,16 @@ def create_app(
 
     @app.patch("/v1/runs/{name}/hparams", response_model=Accepted, status_code=202,
                dependencies=[Depends(write_auth)])  # fmt: skip
-    def patch_hparams(name: str, body: HParams) -> Accepted:
-        values = body.model_dump(exclude_none=True)
-        if not values:
+    def patch_hparams(name: str, body: LiveHParams) -> Accepted:
+        """Live hyperparameters (``reval/control.py: LiveHParams``, at least one): the learner
+        applies its own at its next update, the rollout workers ``temperature`` between
+        batches."""
+        if not body.set_fields():
             raise HTTPException(422, [{"loc": ["body"], "msg": "no hyperparameter given",
                                        "type": "value_error"}])  # fmt: skip
         act(name, "change", live)
-        try:
-            typed = store.control(name).patch(values)
-        except ValueError as err:
-            raise HTTPException(422, [{"loc": ["body"], "msg": str(err),
-                                       "type": "value_error"}]) from None  # fmt: skip
-        return Accepted(run=name, action="hparams", detail=typed)
+        typed = store.control(name).patch(body)
+        return Accepted(run=name, action="hparams", detail=typed.set_fields())
 
     @app.get("/v1/runs/{name}/events", response_model=list[Event],
              dependencies=[Depends(read_auth)])  # fmt: skip
@@ -572,6 +566,17 @@ def create_app(
                                        "type": "value_error"}]) from None  # fmt: skip
 
     return app
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by its name (``"nan"``, ``"inf"``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _valid_stream_id(s: str) -> bool:
@@ -593,11 +598,50 @@ def serve(cfg: ApiConfig, ray: bool = False, replicas: int = 1) -> int:
     if cfg.dev and not token:
         log.warning("dev mode with no token: every mutating request is refused (403)")
     if ray:
-        from services.api_serve import run
-
-        run(cfg, replicas)
+        run_on_ray(cfg, replicas)
         return 0
     import uvicorn
 
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
     return 0
+
+
+# -- Ray Serve ---------------------------------------------------------------------------------
+# (here, beside the app it mounts; ``services/api_serve.py`` is the entry point for Serve's CLI
+# and KubeRay)
+
+DEPLOYMENT = "reval-api"
+
+
+def ray_app(cfg: ApiConfig, replicas: int = 1) -> Any:
+    """The bound Serve application of the API: ``serve.ingress`` with a builder evaluated on
+    each replica, so each builds its own app (its Redis connections are not pickled across)."""
+    from ray import serve
+
+    cfg_json = cfg.model_dump_json()
+
+    def builder() -> Any:  # runs on each replica
+        return create_app(ApiConfig.model_validate_json(cfg_json))
+
+    @serve.deployment(name=DEPLOYMENT, num_replicas=replicas,
+                      ray_actor_options={"num_cpus": 0.1})  # fmt: skip
+    @serve.ingress(builder)
+    class RevalApi:
+        pass
+
+    return RevalApi.bind()  # type: ignore[attr-defined]
+
+
+def run_on_ray(cfg: ApiConfig, replicas: int = 1, block: bool = True) -> None:
+    """Start Serve's HTTP proxy on ``cfg.host:cfg.port`` and deploy the API on it (the Ray
+    cluster at ``RAY_ADDRESS``, or a local one)."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        ray.init(address=address, namespace="reval") if address else ray.init(namespace="reval")
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(ray_app(cfg, replicas), name="reval", route_prefix="/")
+    while block:
+        time.sleep(3600)

@@ -11,7 +11,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from reval.config import ApiConfig
-from reval.control import RunControl
+from reval.control import LiveHParams, RunControl
 from services.api import create_app
 
 TOKEN = "t0ken-for-the-tests-only-0123456789"
@@ -52,6 +52,15 @@ def test_health_ready_metrics_and_openapi(client):
     paths = set(spec["paths"])
     assert {"/v1/runs", "/v1/runs/{name}", "/v1/runs/{name}/hparams",
             "/v1/runs/{name}/scale", "/v1/runs/{name}/events"} <= paths  # fmt: skip
+    # The PATCH body is LiveHParams itself: its bounds, docstrings and who applies each field.
+    body = spec["components"]["schemas"]["LiveHParams"]
+    assert body["additionalProperties"] is False
+    assert body["properties"]["temperature"]["applied_by"] == "rollout"
+    assert body["properties"]["beta"]["applied_by"] == "learner"
+    assert {"exclusiveMinimum": 0, "maximum": 1e6, "type": "number"} in (
+        body["properties"]["beta"]["anyOf"]
+    )
+    assert "KL strength" in body["properties"]["beta"]["description"]
     text = client.get("/metrics").text
     assert 'reval_api_requests_total{method="GET",route="/readyz",status="200"} 1.0' in text
 
@@ -117,11 +126,21 @@ def test_bad_bodies_are_422(client):
     ]:
         r = client.post(path, json=body, headers=AUTH)
         assert r.status_code == 422, (path, body, r.text)
-    for body in ({"beta": -1}, {"gamma": 1}, {}, {"ref_reset_steps": 1.5}, {"lr": "fast"}):
+    for body in ({"beta": -1}, {"gamma": 1}, {}, {"beta": None}, {"ref_reset_steps": 1.5},
+                 {"lr": "fast"}, {"beta": "0.1"}, {"beta": True}, {"temperature": 0},
+                 {"max_staleness": -2}, [1]):  # fmt: skip
         r = client.patch("/v1/runs/r1/hparams", json=body, headers=AUTH)
         assert r.status_code == 422, (body, r.text)
-    r = client.patch("/v1/runs/r1/hparams", json={"beta": -1}, headers=AUTH)
-    assert "beta" in r.text
+        if isinstance(body, dict) and body and None not in body.values():
+            # (the field named in the error's location)
+            assert [e["loc"] for e in r.json()["detail"]] == [["body", *body]], r.text
+    # Python's JSON parser reads NaN and Infinity: refused, and the answer is still JSON.
+    r = client.patch("/v1/runs/r1/hparams", content='{"beta": NaN, "lr": -Infinity}',
+                     headers={**AUTH, "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 422, r.text
+    assert [(e["loc"], e["input"]) for e in r.json()["detail"]] == [
+        (["body", "beta"], "nan"), (["body", "lr"], "-inf")
+    ]  # fmt: skip
     r = client.get("/v1/runs/r1/events", params={"after": "yesterday"})
     assert r.status_code == 422
 
@@ -172,7 +191,10 @@ def test_actions_and_conflicts(client, api_cfg):
     assert r.status_code == 202 and r.json()["detail"] == {"beta": 0.05, "temperature": 0.8}
     st = control.read()
     assert st.workers == 3 and st.checkpoint == 1 and st.export == 1
-    assert st.hparams == {"beta": 0.05, "temperature": 0.8}
+    assert st.hparams == LiveHParams(beta=0.05, temperature=0.8)
+    hp_events = [e for e in client.get("/v1/runs/r1/events").json()
+                 if e["kind"] == "request:hparams"]  # fmt: skip
+    assert [e["detail"] for e in hp_events] == [{"beta": 0.05, "temperature": 0.8}]
     assert client.post("/v1/runs/r1/stop", headers=AUTH).status_code == 202
     assert control.read().phase == "stopping"
     as_learner(api_cfg, "r1", "stopped")

@@ -17,7 +17,7 @@ def test_api_as_a_ray_serve_deployment(tmp_path, redis_url, redis_prefix, monkey
     import ray
     from ray import serve
 
-    from services.api_serve import run
+    from services.api import run_on_ray
 
     monkeypatch.setenv("REVAL_API_TOKEN", TOKEN)  # (the replicas inherit the environment)
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
@@ -28,7 +28,7 @@ def test_api_as_a_ray_serve_deployment(tmp_path, redis_url, redis_prefix, monkey
                     output_dir=str(tmp_path))  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        run(cfg, replicas=2, block=False)
+        run_on_ray(cfg, replicas=2, block=False)
         assert httpx.get(f"{base}/healthz").json() == {"ok": True, "detail": ""}
         assert httpx.get(f"{base}/readyz").status_code == 200
         auth = {"Authorization": f"Bearer {TOKEN}"}
