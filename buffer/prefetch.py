@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 from buffer.base import ReplayBuffer, SampledBatch, SampleTimeout
 
@@ -23,11 +24,15 @@ class Prefetcher:
         depth: int = 2,
         workers: int = 2,
         poll_s: float = 0.5,
+        draw: Callable[[float], SampledBatch] | None = None,
     ) -> None:
+        """``draw(timeout)``: how a batch is drawn (default ``buffer.sample(batch_size, ...)``;
+        the learner passes its batch source). A stateful ``draw`` wants ``workers=1``."""
         if depth < 1 or workers < 1:
             raise ValueError(f"depth and workers must be >= 1, got {depth} and {workers}")
         self.buffer = buffer
         self.batch_size = batch_size
+        self._draw = draw or (lambda timeout: buffer.sample(batch_size, timeout=timeout))
         self._queue: queue.Queue[SampledBatch | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._poll_s = poll_s
@@ -41,7 +46,7 @@ class Prefetcher:
     def _work(self) -> None:
         while not self._stop.is_set():
             try:
-                batch = self.buffer.sample(self.batch_size, timeout=self._poll_s)
+                batch = self._draw(self._poll_s)
             except SampleTimeout:
                 continue  # nothing to hand out yet (limiter, too few held): keep waiting
             except BaseException as err:  # a real failure: hand it to the consumer

@@ -1,17 +1,21 @@
-"""``reval learner``: the learner half of the actor-learner service.
+"""``reval learner``: the learner half of the actor-learner service: ranks + the replay service
++ the one update step (``learner/step.py``, the same as ``reval train``'s).
 
 One process per rank under torch.distributed (gloo on CPU, NCCL on GPU; the same code), the
 policy and the frozen reference sharded with FSDP2 (``fully_shard`` per decoder layer, then the
-root). Rank 0 samples batches from the replay service (under its sample-to-insert limiter,
-prefetching the next batch while an update runs) and hands each rank an equal share; every rank
-updates on its share (FSDP averages the gradients), writes back its share's cached reference
-quantities and priorities. After every ``sync.every`` updates the full weights are gathered on
-rank 0, written and announced to the rollout workers (``reval/weight_sync.py``). Checkpoints with
-torch distributed checkpoint every ``learner.checkpoint_every`` updates and on SIGTERM;
-``--resume`` continues with the same step, policy version, reference and optimizer state (the
-buffer is in Redis: nothing generated is lost). A consolidated Hugging Face checkpoint is
-exported at the end, on SIGUSR1 while it runs (``run_dir/exports/step-N``), and from the
-latest checkpoint with ``reval learner --export``.
+root). Rank 0 draws the batches from the replay service by the algorithm's rule
+(``learner/batches.py``: fresh then replayed under the sample-to-insert limiter for the value
+losses, whole groups once for GRPO), prefetching the next while an update runs, and hands each
+rank its share (whole groups for GRPO); every rank updates on its share (FSDP averages the
+gradients) and rank 0 writes back the batch's cached reference quantities and priorities. After
+every ``sync.every`` updates the full weights are gathered on rank 0, written and announced to the
+rollout workers (``reval/weight_sync.py``). Checkpoints (``learner/checkpoint.py``, DCP) every
+``learner.checkpoint_every`` updates and on SIGTERM; ``--resume`` continues with the same step,
+policy version, reference and optimizer state (the buffer is in Redis: nothing generated is
+lost). A consolidated Hugging Face checkpoint is exported at the end, on SIGUSR1 while it runs
+(``run_dir/exports/step-N``), and from the latest checkpoint with ``reval learner --export``.
+What the run needs before its first update (the tiny model's pretraining, the one-shot task's
+calibration) is done above, by ``services/setup.py``.
 """
 
 from __future__ import annotations
@@ -22,42 +26,37 @@ import datetime as dt
 import json
 import logging
 import os
-import random
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import redis
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from buffer import make_buffer
-from buffer.base import SampleTimeout
+from buffer.base import SampledBatch, SampleTimeout
 from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
 from buffer.records import Trajectory
+from learner.batches import BatchSource, split_shares
+from learner.checkpoint import load_checkpoint, save_checkpoint
+from learner.export import export_hf
+from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
 from reval import registry
 from reval.config import RunConfig, dump_config
-from reval.control import HPARAMS, RunControl, adopt_run
+from reval.control import RunControl, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import load_policy
 from reval.weight_sync import WeightStore
@@ -76,48 +75,18 @@ class LearnerState:
 
 
 class LearnerMetrics:
+    """The learner process's metrics beyond the updates' (``learner/step.py``)."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         p = f"{PREFIX}learner_"
-        self.loss = Gauge(f"{p}loss", "Loss of the last update", registry=r)
-        self.grad_norm = Gauge(f"{p}grad_norm", "Pre-clip grad norm of the last update", registry=r)
-        self.updates = Counter(f"{p}updates", "Optimizer steps", registry=r)
-        self.skipped = Counter(f"{p}skipped_steps", "Steps skipped (non-finite norm)", registry=r)
-        self.version = Gauge(f"{PREFIX}policy_version", "Version of the policy", registry=r)
         self.wait_data = Counter(f"{p}wait_data_seconds", "Time waiting for a batch", registry=r)
         self.update_s = Counter(f"{p}update_seconds", "Time in updates", registry=r)
         self.sync_s = Counter(f"{p}sync_seconds", "Time publishing weights", registry=r)
-        self.staleness = Gauge(f"{p}staleness_mean", "Mean lag of the last batch", registry=r)
-        self.reward = Gauge(
-            f"{p}batch_reward_mean", "Mean raw reward of the last batch", registry=r
-        )
         self.workers = Gauge(f"{p}workers_alive", "Rollout workers registered", registry=r)
-        self.hparam = Gauge(
-            f"{p}hparam", "Live hyperparameters in force (changed over the run's control)",
-            ["name"], registry=r,
-        )  # fmt: skip
         self.paused = Gauge(f"{p}paused", "1 while the run is paused", registry=r)
-        self.success = Gauge(
-            f"{p}batch_success_rate", "Fraction of the last batch with a positive raw reward",
-            registry=r,
-        )  # fmt: skip
-        self.delta = Gauge(f"{p}delta_abs_mean", "Mean |Bellman residual| of the last batch",
-                           registry=r)  # fmt: skip
-        self.v1 = Gauge(f"{p}v1_mean", "Mean V1 (policy soft value at the prompt) of the last "
-                        "batch", registry=r)  # fmt: skip
-        self.v1_ref = Gauge(f"{p}v1_ref_mean", "Mean V1 of the reference on the last batch",
-                            registry=r)  # fmt: skip
-        self.kl = Gauge(
-            f"{p}kl_estimate",
-            "Mean log pi - log pi_ref over the last batch's responses (a sequence KL estimate)",
-            registry=r,
-        )
-        self.step_s = Histogram(
-            f"{p}step_seconds", "Time of one update (forward, backward, optimizer)",
-            buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100), registry=r,
-        )  # fmt: skip
         self.sync_bytes = Counter(f"{p}sync_bytes", "Weight bytes published", registry=r)
-        self.ref_version = Gauge(f"{p}ref_version", "Version of the reference", registry=r)
+        self.update = UpdateMetrics(r)
 
 
 def _shard(model: nn.Module, mesh: Any, reshard_root: bool = False) -> nn.Module:
@@ -136,21 +105,23 @@ def _reduce(x: float, op: str) -> float:
     return float(t.item())
 
 
-def split_shares(batch: Sequence[Trajectory], world: int) -> list[list[Trajectory]]:
-    """Equal contiguous shares in group order (a group stays on one rank when ``n`` divides the
-    share, which GRPO needs)."""
-    ordered = sorted(batch, key=lambda t: t.group_id)
-    size = len(ordered) // world
-    return [list(ordered[r * size : (r + 1) * size]) for r in range(world)]
+def _gather(obj: Any) -> list[Any] | None:
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
 
 
 class LearnerService:
+    """One rank of the learner: the policy and reference sharded over the ranks, rank 0 drawing
+    the batches (``learner/batches.py``) from the replay service and publishing the weights,
+    every rank running the one update step (``learner/step.py``) on its share."""
+
     def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         b = cfg.batch_size
-        if b % self.world:
+        if b % self.world and cfg.algo.name != "grpo":
             raise ValueError(f"learner.batch_size ({b}) must divide by world_size ({self.world})")
         self.device = torch.device("cuda", self.rank % torch.cuda.device_count()) if (
             torch.cuda.is_available() and cfg.model.device != "cpu"
@@ -163,163 +134,144 @@ class LearnerService:
         self.export_now = threading.Event()
         """Set (SIGUSR1, ``reval launch --export``): export an HF checkpoint before the next
         update, into ``run_dir/exports/step-N``."""
-        self.state = LearnerState()
-        self.last_staleness = 0.0
-        bc = cfg.buffer
         self.ring = make_buffer(
-            bc,
+            cfg.buffer,
             cfg.name,
             seed=cfg.seed * 7919 + self.rank,
             metrics=BufferMetrics(self.metrics.registry) if self.rank == 0 else None,
         )
-        self.client = redis.Redis.from_url(bc.redis_url, socket_timeout=30)
+        self.source = BatchSource.from_config(self.ring, cfg)
+        self.client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
         self.weights = WeightStore(
             self.client,
-            bc.key_prefix,
+            cfg.buffer.key_prefix,
             cfg.name,
             cfg.sync.weights_dir or str(self.run_dir / "weights"),
         )
-        # Identical initial weights on every rank: rank 0 builds (and pretrains the tiny model),
-        # then broadcasts before sharding.
+        self.tokenizer, self.model, self.reference_model = self._build_models()
+        world = self.world
+        self.learner = Learner(
+            self.model,
+            cfg.learner,
+            cfg.algo,
+            int(self.tokenizer.pad_token_id),
+            int(self.tokenizer.eos_token_id),
+            self.device,
+            reference_model=self.reference_model,
+            reduce=_reduce if world > 1 else None,
+        )
+        self.step = UpdateStep(
+            self.learner,
+            cfg,
+            self.ring if self.rank == 0 else None,
+            self.metrics.update if self.rank == 0 else None,
+            reduce=_reduce if world > 1 else None,
+            gather=_gather if world > 1 else None,
+        )
+        self.writer = JsonlWriter(self.run_dir / "learner.jsonl") if self.rank == 0 else None
+        self.hub = self._build_hub() if self.rank == 0 and cfg.sync.broadcast else None
+        self.broadcast_to = 0
+        self.saved_step = -1
+        self.control = RunControl(self.client, cfg.buffer.key_prefix, cfg.name)
+        self.seen = {"checkpoint": 0, "export": 0}
+        if self.rank == 0:
+            self._register(resume)
+        self.paused = False
+        self.published = False
+        self.last_tick = time.monotonic()
+        self.last_staleness = 0.0
+        if resume:
+            self.load_checkpoint()
+
+    # -- building ------------------------------------------------------------------------------
+
+    def _build_models(self) -> tuple[Any, nn.Module, nn.Module]:
+        """The policy and its frozen reference, identical on every rank (rank 0's weights are
+        broadcast before sharding), sharded with FSDP2. Whatever the run's set-up prepared
+        (``services/setup.py``: the pretrained tiny model) is in ``cfg.model`` already."""
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         policy = load_policy(cfg.model.model_copy(update={"device": "cpu"}), cfg.seed)
-        self.tokenizer = policy.tokenizer
-        if self.rank == 0 and cfg.model.pretrain_steps and not resume:
-            from rollout.pretrain import pretrain
-            from rollout.tasks import build_task
-
-            task = build_task(cfg.task, cfg.seed, policy.tokenizer)
-            m = cfg.model
-            loss = pretrain(policy, task, m.pretrain_steps, m.pretrain_lr, m.pretrain_batch_size,
-                            cfg.seed)  # fmt: skip
-            log.info("pretrained the tiny model: loss %.3f", loss)
-        if self.rank == 0:
-            self._share_task_setup(policy, resume)
         for t in list(policy.model.parameters()) + list(policy.model.buffers()):
             dist.broadcast(t.data, src=0)
         model = policy.model.to(self.device)
         reference = copy.deepcopy(model)  # not a second load of the checkpoint
         reference.to(self.device).eval().requires_grad_(False)
         mesh = init_device_mesh(self.device.type, (self.world,))
-        self.model = _shard(model, mesh)
-        self.reference_model = _shard(reference, mesh, reshard_root=True)
-        self.learner = Learner(
-            self.model,
-            cfg.learner,
-            cfg.algo,
-            policy.pad_id,
-            policy.eos_id,
-            self.device,
-            reference_model=self.reference_model,
-            reduce=_reduce if self.world > 1 else None,
-        )
-        self.writer = JsonlWriter(self.run_dir / "learner.jsonl") if self.rank == 0 else None
-        self.hub: Any = None
-        if self.rank == 0 and cfg.sync.broadcast:
-            from reval.broadcast import BroadcastHub
+        return policy.tokenizer, _shard(model, mesh), _shard(reference, mesh, reshard_root=True)
 
-            # One code path: NCCL groups from a GPU learner, gloo from a CPU one.
-            hub_backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if cfg.sync.backend != "auto":
-                hub_backend = cfg.sync.backend
-            self.hub = BroadcastHub(
-                cfg.sync.broadcast_port,
-                timeout_s=cfg.sync.timeout_s,
-                bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
-                backend=hub_backend,
-                device=self.device if hub_backend == "nccl" else "cpu",
-            )
-            log.info("broadcast hub (%s) on port %d", hub_backend, self.hub.port)
-        self.broadcast_to = 0
-        self.saved_step = -1
-        self.control = RunControl(self.client, bc.key_prefix, cfg.name)
-        self.seen = {"checkpoint": 0, "export": 0}
-        if self.rank == 0:  # requests made before this learner started are not replayed
-            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
-                st = self.control.read()
-                self.seen = {"checkpoint": st.checkpoint, "export": st.export}
-                self.control.clear_stale_stop(self.started)  # (a stop of an earlier start)
-                self.control.record("learner_started", {"resume": resume})
-                if adopt_run(self.client, bc.key_prefix, cfg.name, cfg.model_dump(mode="json")):
-                    log.info("run %s registered for the REST API", cfg.name)
-        self.paused = False
-        self.published = False
-        self.last_tick = time.monotonic()
-        self.hparams: dict[str, Any] = {
-            "beta": cfg.algo.beta,
-            "lr": cfg.learner.lr,
-            "samples_per_insert": bc.samples_per_insert,
-            "ref_reset_steps": cfg.learner.ref_reset_steps,
-            "max_staleness": bc.max_staleness,
-        }
-        self.reset_every = cfg.learner.ref_reset_steps * cfg.learner.updates_per_round
-        if resume:
-            self.load_checkpoint()
-
-    def _share_task_setup(self, policy: Any, resume: bool) -> None:
-        """Calibrate the one-shot task on the initial policy and share it with the workers
-        (a resumed learner keeps the calibration the workers already use)."""
-        from reval.registry import task_key
-        from rollout.tasks import build_task, task_setup
+    def _build_hub(self) -> Any:
+        from reval.broadcast import BroadcastHub
 
         cfg = self.cfg
-        if cfg.task.kind != "oneshot":
-            return
-        key = task_key(cfg.buffer.key_prefix, cfg.name)
-        if resume and self.client.exists(key):
-            return
-        task = build_task(cfg.task, cfg.seed, policy.tokenizer)
-        p = task.calibrate(policy)  # type: ignore[attr-defined]
-        self.client.set(key, json.dumps(task_setup(task)))
-        log.info("one-shot task calibrated: base success %.3f, shared with the workers", p)
+        # One code path: NCCL groups from a GPU learner, gloo from a CPU one.
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if cfg.sync.backend != "auto":
+            backend = cfg.sync.backend
+        hub = BroadcastHub(
+            cfg.sync.broadcast_port,
+            timeout_s=cfg.sync.timeout_s,
+            bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
+            backend=backend,
+            device=self.device if backend == "nccl" else "cpu",
+        )
+        log.info("broadcast hub (%s) on port %d", backend, hub.port)
+        return hub
+
+    def _register(self, resume: bool) -> None:
+        """Requests made before this learner started are not replayed; the run is registered
+        for the REST API."""
+        cfg = self.cfg
+        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+            st = self.control.read()
+            self.seen = {"checkpoint": st.checkpoint, "export": st.export}
+            self.control.clear_stale_stop(self.started)  # (a stop of an earlier start)
+            self.control.record("learner_started", {"resume": resume})
+            if adopt_run(self.client, cfg.buffer.key_prefix, cfg.name, cfg.model_dump(mode="json")):
+                log.info("run %s registered for the REST API", cfg.name)
+
+    @property
+    def state(self) -> LearnerState:
+        return LearnerState(
+            step=self.learner.step,
+            updates=self.step.counts.updates,
+            ref_version=self.learner.reference.version,
+            ref_resets=self.step.counts.ref_resets,
+        )
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def _state_dict(self) -> dict[str, Any]:
-        return {
-            "model": get_model_state_dict(self.model),
-            "reference": get_model_state_dict(self.reference_model),
-            "optim": get_optimizer_state_dict(self.model, self.learner.optimizer),
-        }
-
     def save_checkpoint(self) -> Path:
-        path = self.ckpt_dir / f"step-{self.state.step:08d}"
-        dcp.save(self._state_dict(), checkpoint_id=str(path))
-        if self.rank == 0:
-            meta = {
-                "step": self.state.step,
-                "updates": self.state.updates,
-                "ref_version": self.learner.reference.version,
-                "ref_resets": self.state.ref_resets,
-                "skipped_steps": self.learner.skipped_steps,
-                "rng": random.getstate()[1][:4],
-                "time": time.time(),
-            }
-            (path / "reval_state.json").write_text(json.dumps(meta))
-            (self.ckpt_dir / "latest").write_text(path.name)
-        dist.barrier()
-        self.saved_step = self.state.step
+        st = self.state
+        meta = {
+            "step": st.step,
+            "updates": st.updates,
+            "ref_version": st.ref_version,
+            "ref_resets": st.ref_resets,
+            "skipped_steps": self.learner.skipped_steps,
+            "source_drawn": self.source.drawn,
+        }
+        path = save_checkpoint(
+            self.ckpt_dir, self.model, self.reference_model, self.learner.optimizer, meta
+        )
+        self.saved_step = st.step
         log.info("checkpoint %s", path)
         return path
 
     def load_checkpoint(self) -> None:
-        latest = self.ckpt_dir / "latest"
-        if not latest.is_file():
+        if not (self.ckpt_dir / "latest").is_file():
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}")
-        path = self.ckpt_dir / latest.read_text().strip()
-        sd = self._state_dict()
-        dcp.load(sd, checkpoint_id=str(path))
-        set_model_state_dict(self.model, sd["model"])
-        set_model_state_dict(self.reference_model, sd["reference"])
-        set_optimizer_state_dict(self.model, self.learner.optimizer, sd["optim"])
-        meta = json.loads((path / "reval_state.json").read_text())
-        self.state.step = self.learner.step = int(meta["step"])
-        self.state.updates = int(meta["updates"])
-        self.state.ref_resets = int(meta["ref_resets"])
+        path, meta = load_checkpoint(
+            self.ckpt_dir, self.model, self.reference_model, self.learner.optimizer
+        )
+        self.learner.step = int(meta["step"])
         self.learner.reference.version = int(meta["ref_version"])
         self.learner.skipped_steps = int(meta["skipped_steps"])
-        self.saved_step = self.state.step
-        log.info("resumed from %s at step %d", path, self.state.step)
+        self.step.counts.updates = int(meta["updates"])
+        self.step.counts.ref_resets = int(meta["ref_resets"])
+        self.source.drawn = int(meta.get("source_drawn", meta["updates"]))
+        self.saved_step = self.learner.step
+        log.info("resumed from %s at step %d", path, self.learner.step)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full weights on rank 0 (every rank must call this; others get {})."""
@@ -340,7 +292,7 @@ class LearnerService:
         if not self.published:
             return False, "starting (first weights not published yet)"
         self.client.ping()
-        return True, f"step {self.state.step}"
+        return True, f"step {self.learner.step}"
 
     # -- live control -------------------------------------------------------------------------
 
@@ -349,7 +301,7 @@ class LearnerService:
         same decisions: stop, pause, a checkpoint or an export now, hyperparameters to apply
         before this step (each applied change is recorded in the run's events with the step)."""
         todo: dict[str, Any] = {"stop": False, "pause": False, "checkpoint": False,
-                                "export": False, "hparams": {}}  # fmt: skip
+                                "export": False, "hparams": None}  # fmt: skip
         if self.rank == 0:
             try:
                 st = self.control.read()
@@ -361,58 +313,38 @@ class LearnerService:
                 todo["checkpoint"] = st.checkpoint > self.seen["checkpoint"]
                 todo["export"] = st.export > self.seen["export"]
                 self.seen["checkpoint"], self.seen["export"] = st.checkpoint, st.export
-                todo["hparams"] = {
-                    k: v for k, v in st.hparams.items()
-                    if HPARAMS[k][3] == "learner" and self.hparams.get(k) != v
-                }  # fmt: skip
+                changes = st.hparams.learner_changes(self.step.applied)
+                todo["hparams"] = changes if changes.set_fields() else None
                 if todo["pause"] != self.paused:
                     with contextlib.suppress(redis.RedisError):
                         self.control.record("paused" if todo["pause"] else "resumed",
-                                            step=self.state.step)  # fmt: skip
+                                            step=self.learner.step)  # fmt: skip
         if self.world > 1:
             box = [todo]
             dist.broadcast_object_list(box, src=0)
             todo = box[0]
         self.paused = bool(todo["pause"])
-        if todo["hparams"]:
-            self._apply_hparams(todo["hparams"])
+        if todo["hparams"] is not None:
+            done = self.step.apply(todo["hparams"])
+            if self.rank == 0:
+                log.info("step %d: applied %s", self.learner.step, done)
+                with contextlib.suppress(redis.RedisError):  # (the change itself is made)
+                    self.control.record("hparams_applied", done, step=self.learner.step)
         return todo
 
-    def _apply_hparams(self, values: dict[str, Any]) -> None:
-        for name, value in values.items():
-            if name == "beta":
-                self.learner.algo.beta = float(value)
-            elif name == "lr":
-                for group in self.learner.optimizer.param_groups:
-                    group["lr"] = float(value)
-            elif name == "ref_reset_steps":
-                self.reset_every = int(value) * self.cfg.learner.updates_per_round
-            elif name == "samples_per_insert":
-                self.ring.samples_per_insert = float(value)
-            elif name == "max_staleness":
-                self.ring.max_staleness = None if int(value) < 0 else int(value)
-            self.hparams[name] = value
-            self.metrics.hparam.labels(name=name).set(float(value))
-        if self.rank == 0:
-            log.info("step %d: applied %s", self.state.step, values)
-            with contextlib.suppress(redis.RedisError):  # (the change itself is made)
-                self.control.record("hparams_applied", values, step=self.state.step)
-
     def export_path(self) -> Path:
-        return self.run_dir / "exports" / f"step-{self.state.step:08d}"
+        return self.run_dir / "exports" / f"step-{self.learner.step:08d}"
 
     def export_hf(self, path: Path) -> Path | None:
-        """A consolidated Hugging Face checkpoint (safetensors + config + tokenizer); every
-        rank calls it (the weights are gathered), rank 0 writes."""
+        """A consolidated Hugging Face checkpoint (``learner/export.py``); every rank calls it
+        (the weights are gathered), rank 0 writes."""
         sd = self.full_state()
         if self.rank != 0:
             dist.barrier()
             return None
         model = load_policy(self.cfg.model.model_copy(update={"device": "cpu"}), 0).model
         model.load_state_dict(sd)
-        path.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        export_hf(model, self.tokenizer, path)
         dist.barrier()
         log.info("exported a Hugging Face checkpoint to %s", path)
         return path
@@ -421,22 +353,27 @@ class LearnerService:
         t0 = time.perf_counter()
         sd = self.full_state()
         if self.rank == 0:
+            version = self.learner.step
             where = None
             if self.hub is not None:
                 where = f"{self.hub.backend}://{self.cfg.sync.broadcast_host}:{self.hub.port}"
-            self.weights.publish(sd.items(), self.state.step, broadcast=where)
+            self.weights.publish(sd.items(), version, broadcast=where)
             self.metrics.sync_bytes.inc(sum(t.numel() * t.element_size() for t in sd.values()))
             if self.hub is not None:
-                self.broadcast_to = self.hub.sync(sd.items(), self.state.step)
-            self.ring.set_policy_version(self.state.step)
+                self.broadcast_to = self.hub.sync(sd.items(), version)
+            self.ring.set_policy_version(version)
         self.published = True
         self.metrics.sync_s.inc(time.perf_counter() - t0)
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _next_batch(self, prefetch: Prefetcher | None) -> tuple[list[Any], float]:
-        """Rank 0 samples; every rank gets its share (and the importance weights)."""
-        payload: list[Any] = [None]
+    def _next_batch(
+        self, prefetch: Prefetcher | None
+    ) -> tuple[list[Trajectory], list[float], SampledBatch | None, float] | None:
+        """Rank 0 draws the batch; every rank gets its share (and its importance weights).
+        None when there was no batch within a poll."""
+        payload: list[Any] = [None, None]
+        batch: SampledBatch | None = None
         wait = 0.0
         if self.rank == 0:
             t0 = time.perf_counter()
@@ -444,46 +381,36 @@ class LearnerService:
             # timeout (sync.timeout_s) must not run out while the buffer is empty.
             poll = min(self.cfg.buffer.sample_timeout_s, self.cfg.sync.timeout_s / 4)
             try:
-                if prefetch is not None:
-                    batch = prefetch.get(timeout=poll)
-                else:
-                    batch = self.ring.sample(self.cfg.batch_size, timeout=poll)
+                batch = prefetch.get(timeout=poll) if prefetch else self.source.next(poll)
                 weights = dict(zip(batch.traj_ids, batch.weights.tolist(), strict=True))
-                shares = split_shares(batch.trajectories, self.world)
-                payload = [
-                    [(share, [weights[t.traj_id] for t in share]) for share in shares],
-                    float(np.mean(batch.staleness)) if len(batch) else 0.0,
-                ]
-                self.last_staleness = payload[1]
+                shares = split_shares(batch.trajectories, self.world, self.source.on_policy)
+                payload = [[(s, [weights[t.traj_id] for t in s]) for s in shares], None]
             except SampleTimeout as err:
                 payload = [None, str(err)]
             wait = time.perf_counter() - t0
-        else:
-            payload = [None, None]
-        dist.broadcast_object_list(payload, src=0)
+        if self.world > 1:
+            dist.broadcast_object_list(payload, src=0)
         if payload[0] is None:
-            return [], -1.0
+            return None
         share, weights = payload[0][self.rank]
-        self.metrics.staleness.set(payload[1])
-        self.last_staleness = payload[1]
-        return [share, weights], wait
+        return share, weights, batch, wait
 
     def run(self) -> LearnerState:
         cfg = self.cfg
         total = cfg.learner.max_steps or cfg.learner.rounds * cfg.learner.updates_per_round
-        self.reset_every = cfg.learner.ref_reset_steps * cfg.learner.updates_per_round
         if self.rank == 0:
             dump_config(cfg, self.run_dir / "config.json")
         self.publish()  # the workers wait for these before they generate
         prefetch = None
         if self.rank == 0 and cfg.learner.sample_prefetch:
             prefetch = Prefetcher(
-                self.ring, cfg.batch_size, depth=cfg.learner.sample_prefetch, workers=1
-            )
+                self.ring, cfg.batch_size, depth=cfg.learner.sample_prefetch, workers=1,
+                draw=self.source.next,
+            )  # fmt: skip
         t_start = time.perf_counter()
         waited_since = 0.0
         try:
-            while self.state.updates < total:
+            while self.step.counts.updates < total:
                 self.last_tick = time.monotonic()
                 flags = torch.tensor([float(self.stop.is_set()), float(self.export_now.is_set())])
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any rank's request counts
@@ -494,15 +421,14 @@ class LearnerService:
                 if todo["checkpoint"]:
                     self.save_checkpoint()
                 if flags[0].item() or todo["stop"]:
-                    log.info("stopping: checkpoint at step %d", self.state.step)
+                    log.info("stopping: checkpoint at step %d", self.learner.step)
                     break
                 if todo["pause"]:
                     self._status("paused")
                     time.sleep(0.2)
                     continue
-                got, wait = self._next_batch(prefetch)
-                self.metrics.wait_data.inc(max(wait, 0.0))
-                if not got:
+                got = self._next_batch(prefetch)
+                if got is None:
                     waited_since = waited_since or time.monotonic()
                     if time.monotonic() - waited_since > cfg.buffer.sample_timeout_s:
                         log.warning(
@@ -512,91 +438,41 @@ class LearnerService:
                         waited_since = time.monotonic()
                     continue
                 waited_since = 0.0
-                share, weights = got
-                t0 = time.perf_counter()
-                use_w = weights if cfg.buffer.prioritized else None
-                out = self.learner.update(share, use_w)
-                self.ring.write_back(share)
-                if cfg.buffer.prioritized:
-                    self.ring.update_priorities(
-                        [t.traj_id for t in share], out.delta.abs().tolist()
-                    )
-                self.state.updates += 1
-                self.state.step = self.learner.step
-                upd_s = time.perf_counter() - t0
-                self.metrics.update_s.inc(upd_s)
-                if self.reset_every and self.state.updates % self.reset_every == 0:
-                    self.learner.reset_reference()
-                    self.state.ref_resets += 1
-                if self.state.updates % cfg.sync.every == 0:
+                share, weights, batch, wait = got
+                self.metrics.wait_data.inc(wait)
+                record = self.step(share, weights, batch)
+                self.metrics.update_s.inc(record["update_s"])
+                if self.step.counts.updates % cfg.sync.every == 0:
                     self.publish()
                 if cfg.learner.checkpoint_every and (
-                    self.state.updates % cfg.learner.checkpoint_every == 0
+                    self.step.counts.updates % cfg.learner.checkpoint_every == 0
                 ):
                     self.save_checkpoint()
-                self._log(out.metrics, share, wait, upd_s, time.perf_counter() - t_start)
+                self._log(record, wait, time.perf_counter() - t_start)
         finally:
             if prefetch is not None:
                 prefetch.close()
-        if self.saved_step != self.state.step:  # (not twice for one step)
+        if self.saved_step != self.learner.step:  # (not twice for one step)
             self.save_checkpoint()
-        if self.state.updates >= total:
+        finished = self.step.counts.updates >= total
+        if finished:
             self.export_hf(self.run_dir / "final")
-        self._status("done" if self.state.updates >= total else "stopped")
+        self._status("done" if finished else "stopped")
         return self.state
 
-    def _log(
-        self,
-        metrics: dict[str, float],
-        share: list[Trajectory],
-        wait: float,
-        upd_s: float,
-        elapsed: float,
-    ) -> None:
-        loss = _reduce(metrics["loss"], "sum") / self.world if self.world > 1 else metrics["loss"]
-        reward = float(np.mean([t.reward_raw for t in share])) if share else 0.0
-        success = float(np.mean([t.reward_raw > 0 for t in share])) if share else 0.0
-        keys = ("delta_abs_mean", "v1_mean", "v1_ref_mean", "log_ratio_mean")
-        terms = {k: float(metrics[k]) for k in keys if k in metrics}  # (the same on every rank)
-        if self.world > 1:
-            reward = _reduce(reward, "sum") / self.world
-            success = _reduce(success, "sum") / self.world
-            terms = {k: _reduce(v, "sum") / self.world for k, v in terms.items()}
+    def _log(self, record: dict[str, Any], wait: float, elapsed: float) -> None:
         if self.rank != 0:
             return
-        m = self.metrics
-        m.loss.set(loss)
-        m.grad_norm.set(metrics["grad_norm"])
-        m.updates.inc(0 if metrics["skipped"] else 1)
-        m.skipped.inc(1 if metrics["skipped"] else 0)
-        m.version.set(self.state.step)
-        m.reward.set(reward)
-        m.success.set(success)
-        m.step_s.observe(upd_s)
-        m.ref_version.set(self.learner.reference.version)
-        for gauge, key in ((m.delta, "delta_abs_mean"), (m.v1, "v1_mean"),
-                           (m.v1_ref, "v1_ref_mean"), (m.kl, "log_ratio_mean")):  # fmt: skip
-            if key in terms:
-                gauge.set(terms[key])
         alive = registry.count_alive(
             self.client, self.cfg.buffer.key_prefix, self.cfg.name, self.cfg.rollout.heartbeat_s
         )
-        m.workers.set(alive)
+        self.metrics.workers.set(alive)
         record = {
-            "update": self.state.updates,
-            "policy_version": self.state.step,
-            "loss": loss,
-            "grad_norm": metrics["grad_norm"],
-            "batch_reward_mean": reward,
-            "staleness_mean": self.last_staleness,
-            "ref_version": self.learner.reference.version,
+            **record,
             "wait_data_s": wait,
-            "update_s": upd_s,
             "elapsed_s": elapsed,
             "workers": alive,
             "broadcast_to": self.broadcast_to,
-            "beta": self.learner.algo.beta,
-            "lr": self.learner.optimizer.param_groups[0]["lr"],
         }
         if self.writer is not None:
             self.writer.write(record)
@@ -607,12 +483,13 @@ class LearnerService:
         if self.rank != 0:
             return
         self.metrics.paused.set(1 if phase == "paused" else 0)
+        st = self.state
         status: dict[str, Any] = {
             "phase": phase,
-            "step": self.state.step,
-            "updates": self.state.updates,
-            "policy_version": self.state.step,
-            "hparams": {k: v for k, v in self.hparams.items() if v is not None},
+            "step": st.step,
+            "updates": st.updates,
+            "policy_version": st.step,
+            "hparams": self.step.applied.set_fields(),
             "checkpoints": sorted(p.name for p in self.ckpt_dir.glob("step-*"))[-5:],
         }
         if last is not None:

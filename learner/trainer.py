@@ -146,6 +146,14 @@ class Learner:
                 totals[k] = totals.get(k, 0.0) + v * len(chunk) / bsz
             deltas.append(out.delta.cpu())
             offset += len(chunk)
+        if self.reduce is not None:
+            # Shares of whole groups may differ in size (GRPO): a rank with fewer micro-batches
+            # runs idle ones (zero loss) so the FSDP collectives stay in step with the others.
+            extra = int(self.reduce(float(len(chunks)), "max")) - len(chunks)
+            idle = batches[0].to(self.device) if extra > 0 else None
+            for _ in range(extra):
+                assert idle is not None
+                (policy_stats(self.model, idle).slp.sum() * 0.0).backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.learner_cfg.grad_clip))
         skipped = not math.isfinite(norm)

@@ -152,8 +152,9 @@ class BufferConfig(_Section):
     samples_per_insert: float | None = Field(None, gt=0)
     """Rate limiter (like Reverb's SampleToInsertRatio): trajectories handed out may not exceed
     this times trajectories inserted (plus ``rate_slack``); sampling waits when the learner is
-    ahead, inserts never wait. The paper's K (~2) reuses each trajectory about K times. Off when
-    unset."""
+    ahead, inserts never wait. Unset: it follows from the update schedule, ``updates_per_round *
+    batch_size / (prompts_per_round * n)`` (the paper's K = 2 with B = one round: each
+    trajectory is used K times), so the service reuses data as the one-process loop does."""
     rate_slack: int = Field(0, ge=0)
     """Trajectories the learner may sample beyond the ratio before it waits."""
     min_size_to_sample: int = Field(0, ge=0)
@@ -360,6 +361,11 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
+        if self.buffer.samples_per_insert is None:
+            k, b = self.learner.updates_per_round, self.batch_size
+            # GRPO takes every trajectory once (the limiter never holds its takes back).
+            spi = 1.0 if self.algo.name == "grpo" else k * b / self.round_size
+            self.buffer.samples_per_insert = spi
         if self.batch_size > self.buffer.capacity:
             raise ValueError(
                 f"learner.batch_size ({self.batch_size}) exceeds buffer.capacity "
@@ -380,6 +386,13 @@ class RunConfig(_Section):
             raise ValueError(
                 "buffer.prioritized needs a value loss (algo.name reval, tbrm or regression): "
                 "grpo has no Bellman residual to prioritize by"
+            )
+        if self.algo.name == "grpo" and self.batch_size // self.rollout.n < self.learner.world_size:
+            raise ValueError(
+                f"algo.name=grpo: a batch of {self.batch_size} holds "
+                f"{self.batch_size // self.rollout.n} groups of rollout.n = {self.rollout.n}, "
+                f"fewer than learner.world_size ({self.learner.world_size}): each rank needs "
+                "whole groups"
             )
         if self.algo.name == "grpo" and (
             self.learner.updates_per_round != 1 or not self.learner.first_update_fresh

@@ -56,21 +56,15 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 class TrainMetrics:
-    """The one-process trainer's Prometheus metrics, on a registry of their own."""
+    """The one-process trainer's Prometheus metrics, on a registry of their own (the updates'
+    metrics, ``learner/step.py``'s ``UpdateMetrics``, join the same registry)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.round = Gauge(f"{PREFIX}train_round", "Generation rounds completed", registry=r)
-        self.version = Gauge(f"{PREFIX}policy_version", "Version of the policy", registry=r)
         self.reward = Gauge(f"{PREFIX}train_reward_mean", "Mean raw reward, last round", registry=r)
         self.success = Gauge(f"{PREFIX}eval_success_rate", "Last eval success rate", registry=r)
-        self.loss = Gauge(f"{PREFIX}learner_loss", "Loss of the last update", registry=r)
-        self.grad_norm = Gauge(f"{PREFIX}learner_grad_norm", "Pre-clip grad norm", registry=r)
-        self.updates = Counter(f"{PREFIX}learner_updates", "Optimizer steps", registry=r)
-        self.skipped = Counter(
-            f"{PREFIX}learner_skipped_steps", "Steps skipped (non-finite norm)", registry=r
-        )
         self.trajectories = Counter(
             f"{PREFIX}rollout_trajectories", "Trajectories generated", registry=r
         )

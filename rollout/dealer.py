@@ -36,16 +36,18 @@ def dataset_fingerprint(prompts: Sequence[Prompt]) -> str:
 class PromptDealer:
     def __init__(
         self,
-        client: redis.Redis,
+        client: redis.Redis | None,
         key_prefix: str,
         run: str,
         prompts: Sequence[Prompt],
         seed: int = 0,
         retry_s: float = 300.0,
     ) -> None:
+        """``client`` None: the cursor lives in this process (``reval train``, one consumer)."""
         if not prompts:
             raise ValueError("no prompts to deal")
         self.client = client
+        self._local = 0
         self.prompts = list(prompts)
         self.seed = seed
         self.retry_s = retry_s
@@ -60,8 +62,12 @@ class PromptDealer:
         return perm
 
     def _incr(self, n: int) -> int:
+        if self.client is None:
+            self._local += n
+            return self._local
+        client = self.client
         return int(
-            retry_redis(lambda: self.client.incrby(self.key, n), self.retry_s, "prompt cursor", log)
+            retry_redis(lambda: client.incrby(self.key, n), self.retry_s, "prompt cursor", log)
         )
 
     def take(self, n: int) -> list[tuple[int, Prompt]]:
@@ -78,6 +84,6 @@ class PromptDealer:
 
     def position(self) -> dict[str, Any]:
         """Where the deal stands: positions dealt, current epoch, offset within it."""
-        dealt = int(self.client.get(self.key) or 0)
+        dealt = self._local if self.client is None else int(self.client.get(self.key) or 0)
         epoch, offset = divmod(dealt, len(self.prompts))
         return {"dealt": dealt, "epoch": epoch, "offset": offset, "prompts": len(self.prompts)}

@@ -301,9 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("reval learner: the learner service needs buffer.backend=redis", file=sys.stderr)
             return 2
         from learner.service import main as learner_main
+        from services.setup import prepare_learner
 
         try:
             resume = args.resume or (args.resume_if_any and has_checkpoint(cfg))
+            if not args.export:
+                cfg = prepare_learner(cfg, resume)
             return learner_main(cfg, resume=resume, nproc=args.nproc, export=args.export)
         except ValueError as err:
             print(f"reval learner: {err}", file=sys.stderr)
@@ -319,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        from services.rollout import main as rollout_main
+        from rollout.worker import main as rollout_main
 
         try:
             return rollout_main(cfg, args.worker_id, args.max_batches, args.metrics_port)

@@ -149,7 +149,7 @@ class RolloutActor:
         return os.getpid()
 
     def run(self, cfg_json: str) -> dict[str, Any]:
-        from services.rollout import RolloutWorker
+        from rollout.worker import RolloutWorker
 
         cfg = RunConfig.model_validate_json(cfg_json)
         self.worker = RolloutWorker(cfg, self.worker_id)
@@ -301,7 +301,10 @@ class Launch:
         self.rank_pids = [pid0] + [
             int(p) for p in self.ray.get([a.pid.remote() for a in self.ranks[1:]], timeout=300)
         ]
-        self.rank_refs = [a.run.remote(self.cfg_json, addr, port, resume) for a in self.ranks]
+        from services.setup import prepare_learner  # (the tiny model's pretraining, ...)
+
+        ranks_json = prepare_learner(self.cfg, resume).model_dump_json()
+        self.rank_refs = [a.run.remote(ranks_json, addr, port, resume) for a in self.ranks]
         log.info(
             "learner: %d rank(s) at %s:%d (pids %s)%s",
             self.world,

@@ -138,7 +138,9 @@ def test_all_updates_from_the_buffer_and_reload_through_load_policy(tmp_path):
 
     from reval.config import ModelConfig
     from reval.policy import load_policy
-    from services.train import build_policy_and_task
+    from learner.checkpoint import load_checkpoint
+    from learner.trainer import Learner
+    from services.setup import build_policy_and_task
 
     res = train(
         cfg_for(
@@ -156,8 +158,15 @@ def test_all_updates_from_the_buffer_and_reload_through_load_policy(tmp_path):
         a = loaded.model(input_ids=ids).logits
         b = fresh.model(input_ids=ids).logits
     assert not torch.allclose(a, b)
-    state = torch.load(res.checkpoint / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 8 and state["round"] == 4
+    # The learner's checkpoint (DCP, the ranks' format) restores the trained policy too.
+    cfg = cfg_for(tmp_path, name="fresh")
+    learner = Learner(fresh.model, cfg.learner, cfg.algo, fresh.pad_id, fresh.eos_id, fresh.device)
+    ckpts = tmp_path / "t" / "checkpoints"
+    path, meta = load_checkpoint(ckpts, learner.model, learner.reference.model, learner.optimizer)
+    assert path.name == "step-00000008" and meta["step"] == 8 and meta["round"] == 4
+    with torch.no_grad():
+        c = fresh.model(input_ids=ids).logits
+    torch.testing.assert_close(c, a)
 
 
 def test_training_through_the_redis_buffer(tmp_path, redis_url, redis_prefix):
@@ -173,7 +182,7 @@ def test_training_through_the_redis_buffer(tmp_path, redis_url, redis_prefix):
     meta = run_keys(redis_prefix, "rd").meta
     assert int(client.hget(meta, "head")) == 15 * 32  # every trajectory went through Redis
     assert int(client.hget(meta, "version")) == res.history[-1]["policy_version"] - 1
-    assert int(client.hget(meta, "sampled")) == 15 * 32  # the second update of each round
+    assert int(client.hget(meta, "sampled")) == 2 * 15 * 32  # fresh, then sampled: K = 2
     # A second run of the same name starts from an empty buffer.
     train(cfg_for(tmp_path, *extra, "learner.rounds=1", "metrics.plot=false", name="rd"))
     assert int(client.hget(meta, "head")) == 32

@@ -1,0 +1,90 @@
+"""What each update trains on, by the algorithm's rule, from any replay buffer (the embedded ring
+of ``reval train`` or the Redis replay service of ``reval learner``), and how a batch is shared
+among the learner ranks.
+
+- ReVal, TBRM, regression (off-policy): out of every ``updates_per_round`` updates the first takes
+  the newest never-used trajectories (``learner.first_update_fresh``, the paper's appendix) and
+  the others sample the FIFO window uniformly; the buffer's sample-to-insert limiter
+  (``buffer.samples_per_insert``, which follows from K) keeps the reuse at K in the service.
+- GRPO (on-policy): every batch takes whole groups of never-used trajectories, newest first, so
+  each trajectory is used once and a group is never split (its advantages need all of it).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from buffer.base import ReplayBuffer, SampledBatch
+from buffer.records import Trajectory
+from reval.config import RunConfig
+
+
+@dataclass
+class BatchSource:
+    """Draws the batches of a run's updates in the algorithm's order (one consumer)."""
+
+    buffer: ReplayBuffer
+    batch_size: int
+    on_policy: bool
+    """GRPO: whole groups, each trajectory once."""
+    updates_per_round: int = 1
+    first_update_fresh: bool = True
+    drawn: int = 0
+    """Batches handed out so far (the position in the fresh/replay schedule)."""
+
+    @classmethod
+    def from_config(cls, buffer: ReplayBuffer, cfg: RunConfig) -> BatchSource:
+        return cls(
+            buffer,
+            cfg.batch_size,
+            on_policy=cfg.algo.name == "grpo",
+            updates_per_round=cfg.learner.updates_per_round,
+            first_update_fresh=cfg.learner.first_update_fresh,
+        )
+
+    @property
+    def next_is_fresh(self) -> bool:
+        """Whether the next batch takes never-used trajectories (rather than a uniform sample)."""
+        return self.on_policy or (
+            self.first_update_fresh and self.drawn % self.updates_per_round == 0
+        )
+
+    def next(self, timeout: float = 0.0) -> SampledBatch:
+        """The next batch; raises SampleTimeout (and keeps its place in the schedule) when the
+        buffer cannot hand it out within ``timeout`` seconds."""
+        if self.next_is_fresh:
+            batch = self.buffer.take(self.batch_size, timeout, whole_groups=self.on_policy)
+        else:
+            batch = self.buffer.sample(self.batch_size, timeout)
+        self.drawn += 1
+        return batch
+
+
+def split_shares(
+    batch: Sequence[Trajectory], world: int, whole_groups: bool
+) -> list[list[Trajectory]]:
+    """Each rank's share of a batch. Value losses: equal contiguous shares (the per-share mean
+    averaged over ranks is the batch mean). ``whole_groups`` (GRPO): every group on one rank,
+    groups dealt largest first to the rank holding the fewest trajectories (shares may differ
+    by less than a group; GRPO's token mean divides by the batch's tokens, so that is exact)."""
+    if world == 1:
+        return [list(batch)]
+    if not whole_groups:
+        if len(batch) % world:
+            raise ValueError(f"a batch of {len(batch)} does not split into {world} equal shares")
+        size = len(batch) // world
+        return [list(batch[r * size : (r + 1) * size]) for r in range(world)]
+    groups: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in batch:
+        groups[t.group_id].append(t)
+    if len(groups) < world:
+        raise ValueError(
+            f"{len(groups)} groups cannot give each of {world} ranks a share: raise "
+            "learner.batch_size or lower learner.world_size"
+        )
+    shares: list[list[Trajectory]] = [[] for _ in range(world)]
+    for members in sorted(groups.values(), key=len, reverse=True):
+        min(shares, key=len).extend(members)
+    return shares
