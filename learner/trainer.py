@@ -104,6 +104,11 @@ class Learner:
             denom = float(sum(float(b.mask.sum()) for b in batches))  # token mean over all B
             if self.reduce is not None:
                 denom = self.reduce(denom, "sum") / self.reduce(1.0, "sum")
+        extra = 0
+        if self.reduce is not None:
+            # Shares of whole groups may differ in size (GRPO): a rank with fewer micro-batches
+            # runs idle ones (zero loss) after its own so the FSDP collectives stay in step.
+            extra = int(self.reduce(float(len(chunks)), "max")) - len(chunks)
         totals: dict[str, float] = {}
         loss_total = 0.0
         deltas = []
@@ -146,13 +151,9 @@ class Learner:
                 totals[k] = totals.get(k, 0.0) + v * len(chunk) / bsz
             deltas.append(out.delta.cpu())
             offset += len(chunk)
-        if self.reduce is not None:
-            # Shares of whole groups may differ in size (GRPO): a rank with fewer micro-batches
-            # runs idle ones (zero loss) so the FSDP collectives stay in step with the others.
-            extra = int(self.reduce(float(len(chunks)), "max")) - len(chunks)
-            idle = batches[0].to(self.device) if extra > 0 else None
+        if extra > 0:
+            idle = batches[0].to(self.device)
             for _ in range(extra):
-                assert idle is not None
                 (policy_stats(self.model, idle).slp.sum() * 0.0).backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.learner_cfg.grad_clip))

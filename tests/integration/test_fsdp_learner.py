@@ -1,6 +1,7 @@
-"""The FSDP2 learner (2 gloo ranks, each on half the batch) takes the same step as one process on
-the whole batch: for the value losses and for GRPO's token mean; the sharded reference resets
-to the policy; a DCP checkpoint restores model, reference and optimizer exactly."""
+"""The FSDP2 learner (2 gloo ranks, each on its share of the batch) takes the same step as one
+process on the whole batch: for the value losses (equal shares) and for GRPO's token mean over
+uneven groups dealt whole to the ranks (unequal shares, so unequal micro-batch counts), with every
+advantage equal to the one-process one; the sharded reference resets to the policy."""
 
 from __future__ import annotations
 
@@ -15,18 +16,25 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from learner.service import _reduce, _shard, split_shares
+from learner.batches import split_shares
+from learner.losses import grpo_advantages
+from learner.service import _reduce, _shard
 from learner.trainer import Learner
 from reval.config import AlgoConfig, LearnerConfig, ModelConfig
 from reval.policy import load_policy
 from tests.conftest import make_traj
 
 
-def batch(n: int = 8):
+GROUP_SIZES = (4, 4, 3, 1)
+"""GRPO's groups: uneven, so the whole-group shares are 7 and 5 (4 and 3 micro-batches of 2)."""
+
+
+def batch(n: int = 8, uneven: bool = False):
     out = []
-    for i in range(n):
-        t = make_traj(i, reward=float(i % 2), plen=3 + i % 3, rlen=2 + i % 4)
-        t.group_id = f"g{i // 4}"  # groups of 4: GRPO's advantages stay within a rank's share
+    groups = [g for g, size in enumerate(GROUP_SIZES) for _ in range(size)] if uneven else None
+    for i in range(len(groups) if groups else n):
+        t = make_traj(i, reward=float(i % 2 or i == 4), plen=3 + i % 3, rlen=2 + i % 4)
+        t.group_id = f"g{groups[i] if groups else i // 4}"
         out.append(t)
     return out
 
@@ -40,7 +48,7 @@ def single_process_step(algo: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     policy = load_policy(ModelConfig(device="cpu"), seed=0)
     learner = learner_for(policy.model, algo)
-    learner.update(batch())
+    learner.update(batch(uneven=algo == "grpo"))
     return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
 
 
@@ -60,7 +68,7 @@ def _rank(rank: int, world: int, port: int, algo: str, out: str) -> None:
         model = _shard(load_policy(ModelConfig(device="cpu"), seed=0).model, mesh)
         ref = _shard(load_policy(ModelConfig(device="cpu"), seed=0).model, mesh, reshard_root=True)
         learner = learner_for(model, algo, reference_model=ref, reduce=_reduce)
-        shares = split_shares(batch(), world)
+        shares = split_shares(batch(uneven=algo == "grpo"), world, whole_groups=algo == "grpo")
         if rank == 1 and algo != "grpo":
             # Uneven stale counts (rank 1's share comes with cached reference quantities, rank
             # 0's does not): the reference's forwards must stay in step across the ranks.
@@ -71,7 +79,10 @@ def _rank(rank: int, world: int, port: int, algo: str, out: str) -> None:
                 stats = policy_stats(plain, collate(shares[1], 0, 1))
             for t, slp, v1 in zip(shares[1], stats.slp.tolist(), stats.v1.tolist(), strict=True):
                 t.ref_logprob_sum, t.ref_value, t.ref_version = slp, v1, 0
-        learner.update(shares[rank])
+        res = learner.update(shares[rank])
+        advantages = [None] * world if rank == 0 else None
+        mine = dict(zip([t.traj_id for t in shares[rank]], res.delta.tolist(), strict=True))
+        dist.gather_object(mine, advantages, dst=0)
         learner.reset_reference()
         full = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -80,7 +91,9 @@ def _rank(rank: int, world: int, port: int, algo: str, out: str) -> None:
             ref, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if rank == 0:
-            torch.save({"model": full, "ref": ref_full}, out)
+            merged = {k: v for part in advantages for k, v in part.items()}
+            sizes = [len(x) for x in shares]
+            torch.save({"model": full, "ref": ref_full, "adv": merged, "sizes": sizes}, out)
         dist.barrier()  # nobody tears down gloo while a peer may still talk to it
     finally:
         dist.destroy_process_group()
@@ -100,6 +113,15 @@ def test_two_ranks_take_the_single_process_step(algo):
         mp.start_processes(_rank, args=(2, port, algo, out), nprocs=2, start_method="spawn")
         got = torch.load(out)
     want = single_process_step(algo)
+    if algo == "grpo":
+        assert got["sizes"] == [7, 5]
+        whole = batch(uneven=True)
+        adv = grpo_advantages(
+            torch.tensor([t.reward_raw for t in whole]), [t.group_id for t in whole]
+        )
+        assert got["adv"] == pytest.approx(
+            {t.traj_id: a for t, a in zip(whole, adv.tolist(), strict=True)}, abs=1e-6
+        )
     moved = 0.0
     initial = load_policy(ModelConfig(device="cpu"), seed=0).model.state_dict()
     for name, w in want.items():
@@ -112,6 +134,19 @@ def test_two_ranks_take_the_single_process_step(algo):
 
 
 def test_shares_keep_groups_together():
-    shares = split_shares(list(reversed(batch(8))), 2)
-    assert [len(s) for s in shares] == [4, 4]
-    assert [{t.group_id for t in s} for s in shares] == [{"g0"}, {"g1"}]
+    whole = list(reversed(batch(uneven=True)))
+    shares = split_shares(whole, 2, whole_groups=True)
+    assert sorted(len(s) for s in shares) == [5, 7]
+    assert not {t.group_id for t in shares[0]} & {t.group_id for t in shares[1]}
+    assert sorted(t.traj_id for s in shares for t in s) == sorted(t.traj_id for t in whole)
+    with pytest.raises(ValueError, match="groups cannot give each"):
+        split_shares(batch(8), 3, whole_groups=True)  # two groups, three ranks
+
+
+def test_value_shares_are_equal_and_contiguous():
+    shares = split_shares(batch(8), 2, whole_groups=False)
+    assert [[t.traj_id for t in s] for s in shares] == [
+        [f"t{i}" for i in r] for r in (range(4), range(4, 8))
+    ]
+    with pytest.raises(ValueError, match="equal shares"):
+        split_shares(batch(8), 3, whole_groups=False)
