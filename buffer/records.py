@@ -5,20 +5,34 @@ a msgpack array ``[schema version, field, field, ...]`` in the order of ``WIRE_F
 not a map: unpacking is twice as fast, and the record is the hot path of the replay service);
 ``decode`` validates everything and raises ``RecordError``.
 
+The fields are declared once, in ``Trajectory``: each one's ``metadata`` names its ``WireKind``
+(how it travels and which checks it gets). Everything else is derived from that declaration at
+import: ``WIRE_FIELDS`` (the wire order is the declaration order), the accepted wire types, the
+per-kind checks, and the codec itself. The codec's per-record functions (the wire row of
+``encode``, the record of ``decode``, the batch loop of ``decode_many``, the scalar checks of
+``encode_many``) are generated as straight-line Python source from the declaration and compiled
+once (``_generate``), so they run as fast as hand-written code: no per-field loop per record.
+Their source is kept in ``GENERATED_SOURCE`` (and shows in tracebacks). Adding, removing or
+reordering a field changes the wire format: bump ``SCHEMA_VERSION`` with it.
+
 Schema history: 1 was a msgpack map (never persisted by a release); 2 is the array form.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import itertools
+import linecache
 import math
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from types import MappingProxyType, NoneType
+from typing import Any, Literal, NoReturn
 
 import msgpack
 import numpy as np
@@ -37,49 +51,101 @@ class RecordError(ValueError):
     """A record that is malformed; nothing of it is stored."""
 
 
+# -- wire kinds ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WireKind:
+    """How one kind of field travels and what is checked of it."""
+
+    types: tuple[type, ...]
+    """Exact Python types a decoded value may have (a bool is not an int here)."""
+    written: tuple[type, ...]
+    """Types ``encode`` writes; a decoded record of only these skips the per-field type check."""
+    pack: str = "{}"
+    """Python expression of the wire value; ``{}`` stands for the attribute."""
+    dtype: np.dtype[Any] | None = None
+    """Arrays: item type of the packed bytes."""
+    finite: bool = False
+    """Must be a finite number."""
+    non_negative: bool = False
+    """Must be >= 0."""
+    choices: tuple[str, ...] = ()
+    """If set, the value must be one of these."""
+
+    @property
+    def is_float(self) -> bool:
+        """Decoded as a float even when the wire holds an int (another producer's 1.0)."""
+        return float in self.types
+
+
+_WIRE = "wire"
+
+
+def _kind(**spec: Any) -> Mapping[str, WireKind]:
+    """Field metadata declaring a wire kind: ``field(metadata=FINITE_FLOAT)``."""
+    return MappingProxyType({_WIRE: WireKind(**spec)})
+
+
+INT32_ARRAY = _kind(types=(bytes,), written=(bytes,), pack="{}.tobytes()", dtype=np.dtype(np.int32))
+FLOAT32_ARRAY = _kind(
+    types=(bytes,), written=(bytes,), pack="{}.tobytes()", dtype=np.dtype(np.float32)
+)
+FINITE_FLOAT = _kind(types=(float, int), written=(float,), pack="float({})", finite=True)
+FLOAT = _kind(types=(float, int), written=(float,), pack="float({})")
+COUNT = _kind(types=(int,), written=(int,), pack="int({})", non_negative=True)
+OPTIONAL_INT = _kind(types=(int, NoneType), written=(int, NoneType))
+TEXT = _kind(types=(str,), written=(str,))
+FINISH = _kind(types=(str,), written=(str,), choices=_FINISH_REASONS)
+
+
+# -- the record: its one declaration ------------------------------------------------------------
+
+
 @dataclass(slots=True)
 class Trajectory:
-    """One (prompt, response) pair with its reward and bookkeeping."""
+    """One (prompt, response) pair with its reward and bookkeeping.
 
-    prompt_ids: IntArray
+    This declaration is the wire schema: every field travels, in this order, as its ``metadata``
+    kind says (see the module docstring)."""
+
+    prompt_ids: IntArray = field(metadata=INT32_ARRAY)
     """[P] prompt token ids (no padding)."""
-    response_ids: IntArray
+    response_ids: IntArray = field(metadata=INT32_ARRAY)
     """[T] response token ids, ending with EOS when ``finish_reason == "stop"``."""
-    logprobs: FloatArray
+    logprobs: FloatArray = field(metadata=FLOAT32_ARRAY)
     """[T] behaviour log-probs of the generator (temperature applied) for each response token."""
-    reward_raw: float
+    reward_raw: float = field(metadata=FINITE_FLOAT)
     """Verifier score (0/1)."""
-    reward: float
+    reward: float = field(metadata=FINITE_FLOAT)
     """Reward after the run's transform (what the loss uses)."""
-    prompt_id: str = ""
+    prompt_id: str = field(default="", metadata=TEXT)
     """Id of the prompt in its task/dataset."""
-    group_id: str = ""
+    group_id: str = field(default="", metadata=TEXT)
     """Id shared by the N answers to one prompt in one generation batch."""
-    finish_reason: FinishReason = "stop"
+    finish_reason: FinishReason = field(default="stop", metadata=FINISH)
     """``stop``: ended with EOS; ``length``: truncated at max tokens (terminal, V = 0)."""
-    policy_version: int = 0
+    policy_version: int = field(default=0, metadata=COUNT)
     """Version of the weights that generated it."""
-    worker_id: str = ""
+    worker_id: str = field(default="", metadata=TEXT)
     """Generator that produced it."""
-    run_id: str = ""
+    run_id: str = field(default="", metadata=TEXT)
     """Run it belongs to."""
-    traj_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    traj_id: str = field(default_factory=lambda: uuid.uuid4().hex, metadata=TEXT)
     """Unique id."""
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=time.time, metadata=FLOAT)
     """Unix time of creation."""
-    ref_version: int | None = None
+    ref_version: int | None = field(default=None, metadata=OPTIONAL_INT)
     """Reference version the cached ``ref_logprob_sum`` and ``ref_value`` belong to."""
-    ref_logprob_sum: float = 0.0
+    ref_logprob_sum: float = field(default=0.0, metadata=FINITE_FLOAT)
     """Cached ``log pi_ref(y | x)`` (valid only for ``ref_version``)."""
-    ref_value: float = 0.0
+    ref_value: float = field(default=0.0, metadata=FINITE_FLOAT)
     """Cached ``V_ref(s1)`` (valid only for ``ref_version``)."""
-    use_count: int = 0
+    use_count: int = field(default=0, metadata=COUNT)
     """Times the learner has sampled it."""
 
     def __post_init__(self) -> None:
-        self.prompt_ids = np.ascontiguousarray(self.prompt_ids, dtype=np.int32)
-        self.response_ids = np.ascontiguousarray(self.response_ids, dtype=np.int32)
-        self.logprobs = np.ascontiguousarray(self.logprobs, dtype=np.float32)
+        _coerce_arrays(self)  # contiguous arrays of each array field's dtype
 
     def validate(self) -> None:
         """Raise RecordError if the record cannot be used."""
@@ -99,66 +165,169 @@ class Trajectory:
             raise RecordError("negative token id")
         if not np.isfinite(self.logprobs).all() or (self.logprobs > 1e-4).any():
             raise RecordError("log-probs must be finite and <= 0")
-        for name in ("reward_raw", "reward", "ref_logprob_sum", "ref_value"):
-            if not math.isfinite(getattr(self, name)):
-                raise RecordError(f"{name} is not finite")
-        if self.finish_reason not in _FINISH_REASONS:
-            raise RecordError(f"finish_reason must be one of {_FINISH_REASONS}")
-        if self.policy_version < 0 or self.use_count < 0:
-            raise RecordError("policy_version and use_count must be >= 0")
+        if not _scalars_ok(self):
+            _raise_scalar_error(self)
 
     # -- wire form ---------------------------------------------------------------------------
 
     def to_wire(self) -> dict[str, Any]:
         """The wire fields by name (``pack_wire`` turns this into the record's bytes)."""
-        return {
-            "v": SCHEMA_VERSION,
-            "prompt_ids": self.prompt_ids.tobytes(),
-            "response_ids": self.response_ids.tobytes(),
-            "logprobs": self.logprobs.tobytes(),
-            "reward_raw": float(self.reward_raw),
-            "reward": float(self.reward),
-            "prompt_id": self.prompt_id,
-            "group_id": self.group_id,
-            "finish_reason": self.finish_reason,
-            "policy_version": int(self.policy_version),
-            "worker_id": self.worker_id,
-            "run_id": self.run_id,
-            "traj_id": self.traj_id,
-            "created_at": float(self.created_at),
-            "ref_version": self.ref_version,
-            "ref_logprob_sum": float(self.ref_logprob_sum),
-            "ref_value": float(self.ref_value),
-            "use_count": int(self.use_count),
-        }
+        return dict(zip(WIRE_FIELDS, _wire_row(self), strict=True))
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "prompt_ids": (bytes,),
-    "response_ids": (bytes,),
-    "logprobs": (bytes,),
-    "reward_raw": (float, int),
-    "reward": (float, int),
-    "prompt_id": (str,),
-    "group_id": (str,),
-    "finish_reason": (str,),
-    "policy_version": (int,),
-    "worker_id": (str,),
-    "run_id": (str,),
-    "traj_id": (str,),
-    "created_at": (float, int),
-    "ref_version": (int, type(None)),
-    "ref_logprob_sum": (float, int),
-    "ref_value": (float, int),
-    "use_count": (int,),
-}
-WIRE_FIELDS: tuple[str, ...] = ("v", *_TYPES)
+_FIELDS: tuple[tuple[str, WireKind], ...] = tuple(
+    (f.name, f.metadata[_WIRE]) for f in dataclasses.fields(Trajectory) if _WIRE in f.metadata
+)
+if len(_FIELDS) != len(dataclasses.fields(Trajectory)):
+    raise TypeError("every Trajectory field travels: give each one a wire kind in its metadata")
+WIRE_KINDS: Mapping[str, WireKind] = MappingProxyType(dict(_FIELDS))
+"""The declared fields with their wire kinds, in wire order."""
+WIRE_FIELDS: tuple[str, ...] = ("v", *WIRE_KINDS)
 """Position of each field in the wire array."""
+_TYPES: dict[str, tuple[type, ...]] = {name: kind.types for name, kind in _FIELDS}
 # What ``pack_wire`` writes; a record that matches one of these skips the per-field type check.
-_CANONICAL = {
-    tuple(t[0] for t in (((int,), *_TYPES.values()))),
-    tuple(t[-1] if name == "ref_version" else t[0] for name, t in (("v", (int,)), *_TYPES.items())),
-}
+_CANONICAL = frozenset(itertools.product((int,), *(kind.written for _, kind in _FIELDS)))
+# Per wire column (0 is the version): the exact types it may hold, and which columns get which
+# kind's checks in a batch.
+_COLUMN_TYPES: tuple[frozenset[type], ...] = tuple(
+    frozenset(t) for t in ((int,), *(kind.types for _, kind in _FIELDS))
+)
+_FLOAT_COLUMNS = frozenset(i for i, (_, k) in enumerate(_FIELDS, 1) if k.is_float)
+_FINITE_COLUMNS = tuple(i for i, (_, k) in enumerate(_FIELDS, 1) if k.finite)
+_COUNT_COLUMNS = tuple(i for i, (_, k) in enumerate(_FIELDS, 1) if k.non_negative)
+_CHOICE_COLUMNS = tuple(
+    (i, frozenset(k.choices)) for i, (_, k) in enumerate(_FIELDS, 1) if k.choices
+)
+_ARRAY_COLUMNS: tuple[tuple[int, str, np.dtype[Any]], ...] = tuple(
+    (i, name, k.dtype) for i, (name, k) in enumerate(_FIELDS, 1) if k.dtype is not None
+)
+_ARRAY_NAMES = tuple(name for _, name, _ in _ARRAY_COLUMNS)
+_ITEMSIZES = np.array([[dtype.itemsize] for _, _, dtype in _ARRAY_COLUMNS], dtype=np.int64)
+_COLUMN = {name: i for i, name in enumerate(WIRE_FIELDS)}
+_JUST_FLOAT = {float}
+
+
+# -- the generated codec ------------------------------------------------------------------------
+
+GENERATED_SOURCE: dict[str, str] = {}
+"""Source of each function generated from the declaration, by name (for reading and debugging)."""
+
+
+def _generate(name: str, lines: list[str], **env: Any) -> Callable[..., Any]:
+    """Compile one function from its source lines, with ``env`` as its globals. The source is
+    registered with ``linecache`` so tracebacks and debuggers show it."""
+    source = "\n".join(lines) + "\n"
+    filename = f"<buffer.records generated {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict[str, Any] = dict(env)
+    exec(compile(source, filename, "exec"), namespace)  # source built only from the declaration
+    GENERATED_SOURCE[name] = source
+    fn: Callable[..., Any] = namespace[name]
+    return fn
+
+
+def _generate_codec() -> dict[str, Callable[..., Any]]:
+    """The per-record functions, as straight-line code over the declared fields."""
+    env: dict[str, Any] = {
+        "_new": Trajectory.__new__,
+        "_Trajectory": Trajectory,
+        "_frombuffer": np.frombuffer,
+        "_contiguous": np.ascontiguousarray,
+        "_isfinite": math.isfinite,
+        "_zip": zip,
+    }
+    for name, kind in _FIELDS:
+        if kind.dtype is not None:
+            env[f"_dtype_{name}"] = kind.dtype
+        if kind.choices:
+            env[f"_choices_{name}"] = kind.choices
+    names = [name for name, _ in _FIELDS]
+    arrays = [name for name, kind in _FIELDS if kind.dtype is not None]
+    scalars = [name for name, kind in _FIELDS if kind.dtype is None]
+    out: dict[str, Callable[..., Any]] = {}
+
+    # encode: the wire array of a record.
+    row = ", ".join([repr(SCHEMA_VERSION), *(k.pack.format(f"t.{n}") for n, k in _FIELDS)])
+    out["_wire_row"] = _generate("_wire_row", ["def _wire_row(t):", f"    return [{row}]"], **env)
+
+    # decode: a record from a checked wire tuple; arrays are read-only views of its bytes, and
+    # __post_init__'s copies are skipped (the fields are checked).
+    lines = ["def _from_wire(obj):", f"    _, {', '.join(f'v_{n}' for n in names)} = obj"]
+    lines.append("    t = _new(_Trajectory)")
+    for name, kind in _FIELDS:
+        value = f"v_{name}"
+        if kind.dtype is not None:
+            value = f"_frombuffer({value}, _dtype_{name})"
+        elif kind.is_float:
+            value = f"float({value})"
+        lines.append(f"    t.{name} = {value}")
+    lines.append("    return t")
+    out["_from_wire"] = _generate("_from_wire", lines, **env)
+
+    # decode_many: records from checked columns (float columns already floats); each array field
+    # is a slice of its column's joined array, from ``offsets`` (one list per array field).
+    lines = [
+        "def _batch_rows(cols, joined, offsets):",
+        f"    {''.join(f'a_{n}, ' for n in arrays)}= joined",
+        f"    {''.join(f'o_{n}, ' for n in arrays)}= offsets",
+        "    new, cls = _new, _Trajectory",
+        "    out = []",
+        "    append = out.append",
+        "    for ("
+        + "".join(f"s_{n}, e_{n}, " for n in arrays)
+        + "".join(f"v_{n}, " for n in scalars)
+        + ") in _zip(",
+        *(f"        o_{n}, o_{n}[1:]," for n in arrays),
+        *(f"        cols[{_COLUMN[n]}]," for n in scalars),
+        "    ):",
+        "        t = new(cls)",
+    ]
+    for name, kind in _FIELDS:
+        value = f"a_{name}[s_{name}:e_{name}]" if kind.dtype is not None else f"v_{name}"
+        lines.append(f"        t.{name} = {value}")
+    lines += ["        append(t)", "    return out"]
+    out["_batch_rows"] = _generate("_batch_rows", lines, **env)
+
+    # The per-kind scalar checks of one record, as one expression (validate, encode_many).
+    checks = []
+    for name, kind in _FIELDS:
+        if kind.finite:
+            checks.append(f"_isfinite(t.{name})")
+        if kind.non_negative:
+            checks.append(f"t.{name} >= 0")
+        if kind.choices:
+            checks.append(f"t.{name} in _choices_{name}")
+    test = " and ".join(checks) or "True"
+    out["_scalars_ok"] = _generate(
+        "_scalars_ok", ["def _scalars_ok(t):", f"    return {test}"], **env
+    )
+
+    # __post_init__: each array field as a contiguous array of its dtype.
+    lines = ["def _coerce_arrays(t):"]
+    lines += [f"    t.{n} = _contiguous(t.{n}, dtype=_dtype_{n})" for n in arrays] or ["    pass"]
+    out["_coerce_arrays"] = _generate("_coerce_arrays", lines, **env)
+    return out
+
+
+_CODEC = _generate_codec()
+_wire_row: Callable[[Trajectory], list[Any]] = _CODEC["_wire_row"]
+_from_wire: Callable[[tuple[Any, ...]], Trajectory] = _CODEC["_from_wire"]
+_batch_rows: Callable[..., list[Trajectory]] = _CODEC["_batch_rows"]
+_scalars_ok: Callable[[Trajectory], bool] = _CODEC["_scalars_ok"]
+_coerce_arrays: Callable[[Trajectory], None] = _CODEC["_coerce_arrays"]
+
+
+def _raise_scalar_error(t: Trajectory) -> NoReturn:
+    """Name the first scalar field that fails its kind's checks (the slow path of validate)."""
+    for name, kind in _FIELDS:
+        value = getattr(t, name)
+        if kind.finite and not math.isfinite(value):
+            raise RecordError(f"{name} is not finite")
+        if kind.non_negative and value < 0:
+            raise RecordError(f"{name} must be >= 0")
+        if kind.choices and value not in kind.choices:
+            raise RecordError(f"{name} must be one of {kind.choices}")
+    raise AssertionError("_scalars_ok and _raise_scalar_error disagree")  # pragma: no cover
 
 
 def pack_wire(wire: dict[str, Any]) -> bytes:
@@ -200,45 +369,19 @@ def _packer() -> msgpack.Packer:
     return packer
 
 
-def _packed(t: Trajectory) -> bytes:
-    out: bytes = _packer().pack(_wire_row(t))
-    return out
-
-
 def encode(traj: Trajectory) -> bytes:
     """Validate and pack a record."""
     traj.validate()
-    return _packed(traj)
-
-
-def _wire_row(t: Trajectory) -> list[Any]:
-    return [
-        SCHEMA_VERSION,
-        t.prompt_ids.tobytes(),
-        t.response_ids.tobytes(),
-        t.logprobs.tobytes(),
-        float(t.reward_raw),
-        float(t.reward),
-        t.prompt_id,
-        t.group_id,
-        t.finish_reason,
-        int(t.policy_version),
-        t.worker_id,
-        t.run_id,
-        t.traj_id,
-        float(t.created_at),
-        t.ref_version,
-        float(t.ref_logprob_sum),
-        float(t.ref_value),
-        int(t.use_count),
-    ]
+    out: bytes = _packer().pack(_wire_row(traj))
+    return out
 
 
 def encode_many(trajs: Sequence[Trajectory]) -> list[bytes]:
     """Validate a batch (array checks vectorized over the batch) and pack each record; the first
     bad record raises RecordError naming its index and id."""
     validate_many(trajs)
-    return [_packed(t) for t in trajs]
+    pack, row = _packer().pack, _wire_row
+    return [pack(row(t)) for t in trajs]
 
 
 def validate_many(trajs: Sequence[Trajectory]) -> None:
@@ -270,19 +413,8 @@ def _check_scalars(t: Trajectory) -> None:
         raise RecordError("token and log-prob arrays must be one-dimensional")
     if not p.size or not r.size or lp.size != r.size or p.size + r.size > MAX_TOKENS:
         raise RecordError("bad array sizes")
-    if not (
-        math.isfinite(t.reward_raw)
-        and math.isfinite(t.reward)
-        and math.isfinite(t.ref_logprob_sum)
-        and math.isfinite(t.ref_value)
-    ):
-        raise RecordError("non-finite value")
-    if t.finish_reason not in _FINISH_REASONS or t.policy_version < 0 or t.use_count < 0:
-        raise RecordError("bad finish_reason, policy_version or use_count")
-
-
-_I32 = np.dtype(np.int32)
-_F32 = np.dtype(np.float32)
+    if not _scalars_ok(t):
+        raise RecordError("bad scalar field")
 
 
 def _structure(data: Any, max_bytes: int) -> tuple[Any, ...]:
@@ -315,52 +447,21 @@ def _check_obj(obj: Any) -> tuple[Any, ...]:
         for name, value in zip(WIRE_FIELDS[1:], obj[1:], strict=True):
             if type(value) not in _TYPES[name]:  # exact types: a bool is not an int here
                 raise RecordError(f"{name}: wrong type {type(value).__name__}")
-    p, r, lp = obj[1], obj[2], obj[3]
-    if len(p) % 4 or len(r) % 4 or len(lp) % 4:
-        for name, raw in (("prompt_ids", p), ("response_ids", r), ("logprobs", lp)):
-            if len(raw) % 4:
-                raise RecordError(f"{name}: {len(raw)} bytes is not a whole number of 4-byte items")
+    for i, name, dtype in _ARRAY_COLUMNS:
+        if len(obj[i]) % dtype.itemsize:
+            raise RecordError(
+                f"{name}: {len(obj[i])} bytes is not a whole number of {dtype.itemsize}-byte items"
+            )
     return obj
-
-
-def _fill(t: Trajectory, obj: tuple[Any, ...]) -> Trajectory:
-    """Set the scalar fields of ``t`` from a checked wire tuple."""
-    (_, _, _, _, rr, rw, pid, gid, fr, pv, wid, rid, tid, ca, rv, rls, rval, uc) = obj
-    t.reward_raw = float(rr)
-    t.reward = float(rw)
-    t.prompt_id = pid
-    t.group_id = gid
-    t.finish_reason = fr
-    t.policy_version = pv
-    t.worker_id = wid
-    t.run_id = rid
-    t.traj_id = tid
-    t.created_at = float(ca)
-    t.ref_version = rv
-    t.ref_logprob_sum = float(rls)
-    t.ref_value = float(rval)
-    t.use_count = uc
-    return t
-
-
-def _unpack(data: Any, max_bytes: int) -> Trajectory:
-    """Unpack and check structure and types; the array contents are not checked yet."""
-    obj = _structure(data, max_bytes)
-    t = Trajectory.__new__(Trajectory)  # the fields are checked: skip __post_init__'s copies
-    # Read-only, zero-copy views of the record's bytes.
-    t.prompt_ids = np.frombuffer(obj[1], _I32)
-    t.response_ids = np.frombuffer(obj[2], _I32)
-    t.logprobs = np.frombuffer(obj[3], _F32)
-    return _fill(t, obj)
 
 
 def _build_checked(objs: Sequence[tuple[Any, ...]]) -> list[Trajectory] | None:
     """Trajectories from wire tuples of the right length and version, validated as a batch,
-    column by column: the exact types of every field, the array sizes, finite values, the
-    finish reasons and counters, then the token ids and log-probs of the whole batch at once.
-    Each record's arrays are read-only views of the batch's joined arrays (one ``frombuffer``
-    per batch instead of three per record). None if any record fails a check (the caller then
-    finds which, one by one)."""
+    column by column: the exact types of every field, the array sizes, each kind's checks
+    (finite values, counters, choices), then the token ids and log-probs of the whole batch at
+    once. Each record's arrays are read-only views of the batch's joined arrays (one
+    ``frombuffer`` per column instead of one per record and field). None if any record fails a
+    check (the caller then finds which, one by one)."""
     if not objs:
         return []
     cols: list[Sequence[Any]] = list(zip(*objs, strict=True))
@@ -370,72 +471,47 @@ def _build_checked(objs: Sequence[tuple[Any, ...]]) -> list[Trajectory] | None:
             return None
         if i in _FLOAT_COLUMNS and kinds != _JUST_FLOAT:
             cols[i] = list(map(float, cols[i]))  # an int-valued float arrives as an int
-    n_p = np.fromiter(map(len, cols[1]), np.int64, len(objs))
-    n_r = np.fromiter(map(len, cols[2]), np.int64, len(objs))
-    n_l = np.fromiter(map(len, cols[3]), np.int64, len(objs))
-    if ((n_p | n_r) & 3).any() or (n_l != n_r).any() or not (n_p.all() and n_r.all()):
+    # The item counts of every array field, one row per field (one pass over the byte strings).
+    n_bytes = np.fromiter(
+        map(len, itertools.chain.from_iterable(cols[i] for i, _, _ in _ARRAY_COLUMNS)),
+        np.int64,
+        len(objs) * len(_ARRAY_COLUMNS),
+    ).reshape(len(_ARRAY_COLUMNS), -1)
+    if (n_bytes % _ITEMSIZES).any():
         return None
-    n_p >>= 2
-    n_r >>= 2
+    sizes = dict(zip(_ARRAY_NAMES, n_bytes // _ITEMSIZES, strict=True))
+    n_p, n_r = sizes["prompt_ids"], sizes["response_ids"]
+    if (sizes["logprobs"] != n_r).any() or not (n_p.all() and n_r.all()):
+        return None
     if (n_p + n_r > MAX_TOKENS).any():
         return None
-    floats = np.array([cols[4], cols[5], cols[15], cols[16]], dtype=np.float64)
-    if not np.isfinite(floats).all() or not set(cols[8]) <= _REASONS:
-        return None
-    if min(cols[9]) < 0 or min(cols[17]) < 0:
-        return None
-    pa = np.frombuffer(b"".join(cols[1]), _I32)
-    ra = np.frombuffer(b"".join(cols[2]), _I32)
-    la = np.frombuffer(b"".join(cols[3]), _F32)
+    if _FINITE_COLUMNS:
+        floats = np.array([cols[i] for i in _FINITE_COLUMNS], dtype=np.float64)
+        if not np.isfinite(floats).all():
+            return None
+    for i in _COUNT_COLUMNS:
+        if min(cols[i]) < 0:
+            return None
+    for i, choices in _CHOICE_COLUMNS:
+        if not set(cols[i]) <= choices:
+            return None
+    joined = {name: np.frombuffer(b"".join(cols[i]), dtype) for i, name, dtype in _ARRAY_COLUMNS}
+    pa, ra, la = joined["prompt_ids"], joined["response_ids"], joined["logprobs"]
     if pa.min() < 0 or ra.min() < 0 or not (la.min() > -np.inf and la.max() <= 1e-4):
         return None  # (NaN fails both comparisons)
-    p_at = [0, *np.cumsum(n_p).tolist()]
+    # One list of offsets per array field; the log-probs share the response's (equal sizes).
     r_at = [0, *np.cumsum(n_r).tolist()]
-    new = Trajectory.__new__
-    out: list[Trajectory] = []
-    append = out.append
-    for k, (rr, rw, pid, gid, fr, pv, wid, rid, tid, ca, rv, rls, rval, uc) in enumerate(
-        zip(*cols[4:], strict=True)
-    ):
-        t = new(Trajectory)
-        t.prompt_ids = pa[p_at[k] : p_at[k + 1]]
-        r0, r1 = r_at[k], r_at[k + 1]
-        t.response_ids = ra[r0:r1]
-        t.logprobs = la[r0:r1]
-        t.reward_raw = rr
-        t.reward = rw
-        t.prompt_id = pid
-        t.group_id = gid
-        t.finish_reason = fr
-        t.policy_version = pv
-        t.worker_id = wid
-        t.run_id = rid
-        t.traj_id = tid
-        t.created_at = ca
-        t.ref_version = rv
-        t.ref_logprob_sum = rls
-        t.ref_value = rval
-        t.use_count = uc
-        append(t)
-    return out
-
-
-_REASONS = frozenset(_FINISH_REASONS)
-# The wire columns that may hold an int or a float (rewards, created_at, reference quantities):
-# their values become floats.
-_FLOAT_COLUMNS = frozenset(i for i, name in enumerate(WIRE_FIELDS) if float in _TYPES.get(name, ()))
-_JUST_FLOAT = {float}
+    at = {"response_ids": r_at, "logprobs": r_at}
+    offsets = [at.get(name) or [0, *np.cumsum(sizes[name]).tolist()] for name in _ARRAY_NAMES]
+    return _batch_rows(cols, [joined[name] for name in _ARRAY_NAMES], offsets)
 
 
 def decode(data: bytes, max_bytes: int = 64 << 20) -> Trajectory:
     """Unpack and validate a record; any defect raises RecordError. Its arrays are read-only
     views of ``data``."""
-    traj = _unpack(data, max_bytes)
+    traj = _from_wire(_structure(data, max_bytes))
     traj.validate()
     return traj
-
-
-_COLUMN_TYPES: tuple[frozenset[type], ...] = tuple(frozenset(t) for t in ((int,), *_TYPES.values()))
 
 
 def decode_many(
@@ -476,12 +552,7 @@ def _decode_many(
     ok = []
     for i, obj in zip(where, objs, strict=True):
         try:
-            obj = _check_obj(obj)
-            t = Trajectory.__new__(Trajectory)
-            t.prompt_ids = np.frombuffer(obj[1], _I32)
-            t.response_ids = np.frombuffer(obj[2], _I32)
-            t.logprobs = np.frombuffer(obj[3], _F32)
-            _fill(t, obj)
+            t = _from_wire(_check_obj(obj))
             t.validate()
             ok.append(t)
         except RecordError as err:

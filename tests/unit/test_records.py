@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -11,10 +13,14 @@ from hypothesis import strategies as st
 from buffer.records import (
     SCHEMA_VERSION,
     WIRE_FIELDS,
+    WIRE_KINDS,
     RecordError,
     Trajectory,
+    WireKind,
     decode,
+    decode_many,
     encode,
+    encode_many,
     pack_wire,
 )
 from reval.rewards import transform_rewards
@@ -51,6 +57,8 @@ def _wire(**changes):
         ({"logprobs": np.zeros(2, np.float32).tobytes()}, "log-probs for"),
         ({"response_ids": b""}, "empty response"),
         ({"finish_reason": "abort"}, "finish_reason"),
+        ({"use_count": -1}, "use_count must be >= 0"),
+        ({"ref_value": float("nan")}, "ref_value is not finite"),
         ({"extra": 1}, "19 fields"),
     ],
 )
@@ -126,8 +134,6 @@ def test_reward_transforms():
 def test_batch_codec_finds_exactly_the_bad_records(kinds):
     """encode_many/decode_many check arrays once per batch; a defect anywhere is still found
     and pinned on the right record."""
-    from buffer.records import decode_many, encode_many
-
     blobs, trajs = [], []
     for i, kind in enumerate(kinds):
         t = make_traj(i, rlen=5)
@@ -167,8 +173,6 @@ def test_batch_codec_finds_exactly_the_bad_records(kinds):
 def test_int_valued_float_fields_decode_as_floats_in_a_batch():
     """Another producer's msgpack may write 1.0 as the int 1: the batch decoder (and the single
     one) still hands out floats, and a batch that mixes both forms decodes the same."""
-    from buffer.records import decode_many
-
     floats = ("reward_raw", "reward", "created_at", "ref_logprob_sum", "ref_value")
     as_ints = _wire(**dict.fromkeys(floats, 1))
     as_floats = _wire(**dict.fromkeys(floats, 1.0))
@@ -181,3 +185,170 @@ def test_int_valued_float_fields_decode_as_floats_in_a_batch():
                 assert type(value) is float and value == 1.0, (name, value)
     single = decode(as_ints)
     assert all(type(getattr(single, n)) is float for n in floats)
+
+
+# -- the one declaration ------------------------------------------------------------------------
+
+# Written by the codec before the fields were declared once (buffer/records.py at 90447cd, the
+# hand-written encode): the wire format may not change without a schema bump.
+_OLD_CODE_BYTES = {
+    "ref_version=4": bytes.fromhex(
+        "dc001202c40c0500000011000000ffffff7fc40c2a0000000700000001000000c40c000000bf0000a0bf"
+        "00000000cb3ff0000000000000cb3fe8000000000000a3702d37a3672d33a66c656e6774680ca3772d32"
+        "a572756e2d39a97472616a2d30303031cb41da49204020000004cbc00c000000000000cb3fc00000000000"
+        "0002"
+    ),
+    "ref_version=None": bytes.fromhex(
+        "dc001202c40c0500000011000000ffffff7fc40c2a0000000700000001000000c40c000000bf0000a0bf"
+        "00000000cb3ff0000000000000cb3fe8000000000000a3702d37a3672d33a473746f700ca3772d32a572"
+        "756e2d39a97472616a2d30303031cb41da492040200000c0cbc00c000000000000cb3fc0000000000000"
+        "02"
+    ),
+}
+
+
+def _fixture_record(ref_version: int | None) -> Trajectory:
+    return Trajectory(
+        prompt_ids=np.array([5, 17, 2**31 - 1]),
+        response_ids=np.array([42, 7, 1]),
+        logprobs=np.array([-0.5, -1.25, 0.0]),
+        reward_raw=1.0,
+        reward=0.75,
+        prompt_id="p-7",
+        group_id="g-3",
+        finish_reason="length" if ref_version is not None else "stop",
+        policy_version=12,
+        worker_id="w-2",
+        run_id="run-9",
+        traj_id="traj-0001",
+        created_at=1764000000.5,
+        ref_version=ref_version,
+        ref_logprob_sum=-3.5,
+        ref_value=0.125,
+        use_count=2,
+    )
+
+
+def _assert_same(a: Trajectory, b: Trajectory) -> None:
+    """Every declared field equal, with the same type (and dtype for arrays)."""
+    for f in dataclasses.fields(Trajectory):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        assert type(x) is type(y), (f.name, x, y)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), f.name
+        else:
+            assert x == y, (f.name, x, y)
+
+
+@pytest.mark.parametrize("ref_version", [4, None])
+def test_bytes_of_the_old_codec_are_unchanged(ref_version):
+    """The derived codec writes exactly what the hand-written one wrote, and reads it back."""
+    old = _OLD_CODE_BYTES[f"ref_version={ref_version}"]
+    t = _fixture_record(ref_version)
+    assert encode(t) == old
+    assert encode_many([t, t]) == [old, old]
+    assert pack_wire(t.to_wire()) == old
+    assert encode(dataclasses.replace(t, reward_raw=1)) == old  # an int still travels as a float
+    _assert_same(decode(old), t)
+    good, bad = decode_many([old, old])
+    assert not bad and len(good) == 2
+    for back in good:
+        _assert_same(back, t)
+    assert encode(decode(old)) == old
+
+
+_DEFAULTS = {
+    f.name: f.default
+    for f in dataclasses.fields(Trajectory)
+    if f.default is not dataclasses.MISSING
+}
+
+
+def _distinct_value(name: str, kind: WireKind, seed: int) -> object:
+    """A value for one declared field that differs from its default, from every other field's
+    value and from the same field's value in another record (``seed``)."""
+    k = 10 * seed + list(WIRE_KINDS).index(name)
+    if kind.dtype is not None:
+        if kind.dtype == np.int32:
+            return np.arange(100 * k + 3, 100 * k + 7, dtype=np.int32)
+        return -np.linspace(0.5, 2.0, 4, dtype=kind.dtype) - k
+    if kind.choices:
+        others = [c for c in kind.choices if c != _DEFAULTS.get(name)]
+        return others[seed % len(others)]
+    if kind.is_float:
+        return k + 0.375
+    if kind.types == (str,):
+        return f"{name}-{seed}"
+    if int in kind.types:
+        return k + 1
+    raise AssertionError(f"no test value for the kind of {name}: add one here")
+
+
+def _every_field_set(seed: int) -> Trajectory:
+    values = {n: _distinct_value(n, kind, seed) for n, kind in WIRE_KINDS.items()}
+    t = Trajectory(**values)  # type: ignore[arg-type]
+    for name, default in _DEFAULTS.items():
+        assert values[name] != default, f"{name}: the test value is the default"
+    return t
+
+
+def test_every_declared_field_travels():
+    """Each field of the declaration, set to a value no other field or record has, comes back
+    from encode/decode and from encode_many/decode_many: a field declared but not carried (or
+    carried into another's place) fails here."""
+    assert ("v", *(f.name for f in dataclasses.fields(Trajectory))) == WIRE_FIELDS
+    assert set(Trajectory.__slots__) == set(WIRE_KINDS)
+    records = [_every_field_set(seed) for seed in range(3)]
+    for t in records:
+        _assert_same(decode(encode(t)), t)
+        assert set(t.to_wire()) == set(WIRE_FIELDS)
+    good, bad = decode_many(encode_many(records))
+    assert not bad and len(good) == len(records)
+    for back, t in zip(good, records, strict=True):
+        _assert_same(back, t)
+    # The slow path of a batch (one bad record in it) carries every field as well.
+    good, bad = decode_many([*encode_many(records), b"\x92\x02"])
+    assert [i for i, _ in bad] == [len(records)]
+    for back, t in zip(good, records, strict=True):
+        _assert_same(back, t)
+
+
+def _records_module_with(extra: str) -> dict[str, object]:
+    """buffer/records.py's namespace, compiled afresh with one more field declared last."""
+    import sys
+    import types
+
+    import buffer.records
+
+    source = Path(buffer.records.__file__).read_text()
+    anchor = "    use_count: int = field(default=0, metadata=COUNT)\n"
+    assert anchor in source
+    name = "records_with_extra"
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses look their module up
+    try:
+        exec(compile(source.replace(anchor, anchor + extra), name, "exec"), module.__dict__)
+    finally:
+        del sys.modules[name]
+    return module.__dict__
+
+
+def test_a_field_added_to_the_declaration_travels_without_other_edits():
+    ns = _records_module_with("    extra: int = field(default=0, metadata=COUNT)\n")
+    cls = ns["Trajectory"]
+    assert ns["WIRE_FIELDS"][-1] == "extra"
+    t = cls(**{n: getattr(_every_field_set(0), n) for n in WIRE_KINDS}, extra=41)
+    blob = ns["encode"](t)
+    assert msgpack.unpackb(blob)[-1] == 41
+    assert ns["decode"](blob).extra == 41
+    good, bad = ns["decode_many"](ns["encode_many"]([t, t]))
+    assert not bad and [x.extra for x in good] == [41, 41]
+    with pytest.raises(ns["RecordError"], match="extra must be >= 0"):
+        ns["encode"](cls(**{n: getattr(t, n) for n in WIRE_KINDS}, extra=-1))
+
+
+def test_a_field_without_a_wire_kind_is_refused():
+    """The declaration is the schema: a field that does not say how it travels is an error at
+    import, not a field silently left off the wire."""
+    with pytest.raises(TypeError, match="wire kind"):
+        _records_module_with("    extra: int = 0\n")
