@@ -13,8 +13,11 @@ learner then drops the generation, and the next sync proposes a new one without 
 do not acknowledge. The learner never waits longer than ``timeout`` for anyone.
 
 Workers receive on a background thread (``BroadcastReceiver``) into CPU memory while they
-generate; their main loop takes the newest complete version between batches. A newcomer gets the
-weights of the next sync after it joined (and the file announcement meanwhile).
+generate; their main loop takes the newest complete version between batches, as the buckets it
+arrived in (``take_buckets``) or unpacked into views (``take``). A newcomer gets the weights of
+the next sync after it joined (and the file announcement meanwhile). Workers do not use these
+classes directly: ``reval/weight_sync.py`` wraps the hub in the learner's ``WeightPublisher``
+and the receiver in the worker's ``WeightSubscriber``.
 
 NCCL (``backend="nccl"``): the groups are ``ProcessGroupNCCL(PrefixStore, rank, size, options)``
 with ``options._timeout``, as ``torch.distributed.new_group`` builds them
@@ -238,7 +241,7 @@ class BroadcastReceiver:
             raise ValueError("an NCCL receiver needs a CUDA device")
         self.host, self.port, self.worker_id = host, port, worker_id
         self.timeout_s = timeout_s
-        self._latest: tuple[int, list[tuple[str, Tensor]], list[Tensor]] | None = None
+        self._latest: tuple[int, list[Bucket], list[Tensor]] | None = None
         self._lent: list[Tensor] = []
         self.pool = BufferPool(keep=1 << 12)  # (one released version's buckets)
         self._lock = threading.Lock()
@@ -248,16 +251,26 @@ class BroadcastReceiver:
         self._thread = threading.Thread(target=self._run, name="weights-receiver", daemon=True)
         self._thread.start()
 
-    def take(self) -> tuple[int, list[tuple[str, Tensor]]] | None:
-        """The newest complete version received since the last take (or None). The tensors are
-        views of the receiver's buffers: call ``release()`` once they are loaded (copied) so
-        the next version reuses the memory; without it the next version gets new buffers."""
+    def take_buckets(self) -> tuple[int, list[Bucket]] | None:
+        """The newest complete version received since the last take (or None), as the buckets
+        it arrived in (the learner's packing, unchanged: an engine that loads packed buckets
+        gets them without a second packing). Their data are the receiver's buffers: call
+        ``release()`` once they are loaded (copied) so the next version reuses the memory;
+        without it the next version gets new buffers."""
         with self._lock:
             out, self._latest = self._latest, None
             if out is None:
                 return None
             self._lent = out[2]
         return out[0], out[1]
+
+    def take(self) -> tuple[int, list[tuple[str, Tensor]]] | None:
+        """``take_buckets``, unpacked: the tensors are views of the receiver's buffers (no
+        copy); the same ``release()`` rule applies."""
+        got = self.take_buckets()
+        if got is None:
+            return None
+        return got[0], [nt for bucket in got[1] for nt in unpack_bucket(bucket)]
 
     def release(self) -> None:
         """The tensors of the last ``take()`` are no longer used: their buffers are reused."""
@@ -323,19 +336,18 @@ class BroadcastReceiver:
                 time.sleep(0.005)
                 continue
             version, hex_headers = json.loads(store.get(key))
-            tensors: list[tuple[str, Tensor]] = []
             bufs: list[Tensor] = []
+            buckets: list[Bucket] = []
             try:
-                buckets, works = [], []
+                works = []
                 for h in hex_headers:  # post every receive, then wait: no idle link between
                     v, nbytes, metas = Bucket.metas_from_header(bytes.fromhex(h))
                     bufs.append(self.pool.get(nbytes, self.device))
-                    bucket = Bucket(metas, bufs[-1][:nbytes], v)
+                    bucket = Bucket(metas, bufs[-1][:nbytes], v)  # a buffer owned here
                     buckets.append(bucket)
                     works.append(pg.broadcast(bucket.data, 0))
-                for bucket, work in zip(buckets, works, strict=True):
+                for work in works:
                     work.wait()
-                    tensors.extend(unpack_bucket(bucket))  # views of a buffer owned here
                 _sync_device(self.device)
             except RuntimeError as err:  # another member died mid-sync: wait for a new group
                 log.info("weights receiver: sync of v%s failed (%s)", version, err)
@@ -344,7 +356,7 @@ class BroadcastReceiver:
                 if self._latest is not None:  # superseded before anyone took it
                     for buf in self._latest[2]:
                         self.pool.put(buf)
-                self._latest = (int(version), tensors, bufs)
+                self._latest = (int(version), buckets, bufs)
             self.received += 1
             seq += 1
 

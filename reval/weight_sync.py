@@ -1,13 +1,25 @@
-"""Weights from the learner to the generators through a shared directory, announced in Redis.
+"""Weights from the learner to the generators: one publisher, one subscriber.
 
-The learner writes version ``v`` as ``{dir}/v{v:08d}.safetensors`` (written to a temporary name,
-then renamed: a reader never sees half a file) and then announces it in the run's Redis hash
-``{prefix}{run}:weights`` (``version``, ``path``, ``time``). Rollout workers read the
-announcement between generation batches and load a newer version in place. The last ``keep``
-versions stay on disk so a slow reader never loses the file under it.
+``WeightPublisher`` (the learner's rank 0, built by ``build_publisher``) publishes a version:
 
-This is the transport every deployment has (one node, or a shared filesystem); the learner
-service adds the broadcast over torch.distributed (gloo/NCCL) on top of the same announcement.
+- **files**: version ``v`` as ``{dir}/v{v:08d}.safetensors`` (written to a temporary name, then
+  renamed: a reader never sees half a file), announced in the run's Redis hash
+  ``{prefix}{run}:weights`` (``version``, ``path``, ``time``, and ``broadcast``, the hub's
+  address, when it broadcasts). The last ``keep`` versions stay on disk so a slow reader never
+  loses the file under it. Every deployment has this transport (one node, or a shared
+  filesystem), and it is what a newcomer reads first (``WeightStore``).
+- **broadcast** (``sync.broadcast``): the same version, packed once into buckets, over
+  torch.distributed to the workers that joined the learner's hub (gloo on CPU, NCCL on GPU;
+  ``reval/broadcast.py``'s ``BroadcastHub``).
+
+``WeightSubscriber`` (one per rollout worker, built by ``build_subscriber``) brings the newest
+announced weights into a generation engine with ``update(engine)``: it takes a version the
+broadcast delivered, else loads the announced file; it joins the hub named by the announcement
+(a new one when a resumed learner announces a new address), keeps to the files when it cannot
+(an NCCL hub and an engine off CUDA), and loads a *different* announced version, not only a newer
+one (a learner resumed from an earlier checkpoint announces a lower version, and trains on it).
+An engine with a ``load_buckets(buckets, version)`` method (the vLLM engine) gets a broadcast's
+buckets as they arrived: the learner's packing is the only one on the way.
 """
 
 from __future__ import annotations
@@ -18,13 +30,17 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import redis
+import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from reval.broadcast import BroadcastHub, BroadcastReceiver, parse_address
+from reval.config import RunConfig
 from reval.retry import retry_redis
+from reval.weights import unpack_bucket
 
 log = logging.getLogger("reval.weights")
 
@@ -35,7 +51,8 @@ class Announcement:
     path: Path
     time: float
     broadcast: str | None = None
-    """``host:port`` of the learner's broadcast hub when it broadcasts (``reval/broadcast.py``)."""
+    """``backend://host:port`` of the learner's broadcast hub when it broadcasts
+    (``reval/broadcast.py``)."""
 
 
 def weights_key(prefix: str, run: str) -> str:
@@ -43,6 +60,9 @@ def weights_key(prefix: str, run: str) -> str:
 
 
 class WeightStore:
+    """The file half: versions in a shared directory, announced in Redis (the publisher and the
+    subscriber are built on it; ``services/evaluate.py`` reads it directly)."""
+
     def __init__(
         self,
         client: redis.Redis,
@@ -82,14 +102,38 @@ class WeightStore:
             tensors[name] = t.clone() if ptr in seen else t
             seen.add(ptr)
         save_file(tensors, str(tmp), metadata={"version": str(version)})
+        now = time.time_ns()  # (the file system's own clock may tick only every few ms)
+        os.utime(tmp, ns=(now, now))
         os.replace(tmp, path)
         mapping: dict[str, Any] = {"version": version, "path": str(path), "time": time.time()}
         if broadcast:
             mapping["broadcast"] = broadcast
-        self._retry(lambda: self.client.hset(self.key, mapping=mapping))
-        for old in sorted(self.dir.glob("v*.safetensors"))[: -self.keep]:
-            old.unlink(missing_ok=True)
+
+        def announce() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            if not broadcast:  # (a learner restarted without a hub: no stale address)
+                pipe.hdel(self.key, "broadcast")
+            pipe.hset(self.key, mapping=mapping)
+            pipe.execute()
+
+        self._retry(announce)
+        self._prune(path)
         return path
+
+    def _prune(self, newest: Path) -> None:
+        """Keep the ``keep`` versions written last (by time, not by number: a learner resumed
+        from an earlier checkpoint writes lower versions, which must not go first)."""
+
+        def written(p: Path) -> int:
+            try:
+                return p.stat().st_mtime_ns
+            except FileNotFoundError:
+                return -1
+
+        files = [p for p in self.dir.glob("v*.safetensors") if p != newest]
+        files.sort(key=lambda p: (written(p), p.name))
+        for old in files[: max(0, len(files) - (self.keep - 1))]:
+            old.unlink(missing_ok=True)
 
     def latest(self) -> Announcement | None:
         """The newest announced version, or None before the learner published one."""
@@ -107,3 +151,220 @@ class WeightStore:
     def load(announcement: Announcement) -> list[tuple[str, Tensor]]:
         """The tensors of an announced version (raises FileNotFoundError if it was pruned)."""
         return list(load_file(str(announcement.path)).items())
+
+
+def _store(cfg: RunConfig, client: redis.Redis) -> WeightStore:
+    weights_dir = cfg.sync.weights_dir or str(cfg.run_dir / "weights")
+    return WeightStore(client, cfg.buffer.key_prefix, cfg.name, weights_dir)
+
+
+# -- the learner's side ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    version: int
+    path: Path
+    """The version's file."""
+    nbytes: int
+    """Bytes of the tensors published (one copy of the weights)."""
+    receivers: int
+    """Workers the broadcast reached (0 without a hub, with no members, or after a failed sync)."""
+
+
+class WeightPublisher:
+    """The learner's one way to publish weights: the file and its announcement, then the
+    broadcast through ``hub`` when there is one. ``host`` is the hub's address as announced (the
+    hub listens on every interface)."""
+
+    def __init__(
+        self, store: WeightStore, hub: BroadcastHub | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self.store = store
+        self.hub = hub
+        self.host = host
+
+    @property
+    def address(self) -> str | None:
+        """``backend://host:port`` of the hub, as announced (None without a hub)."""
+        if self.hub is None:
+            return None
+        return f"{self.hub.backend}://{self.host}:{self.hub.port}"
+
+    def publish(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> PublishResult:
+        """Write and announce ``version``, then broadcast it to the hub's members (waiting at
+        most the hub's timeout for a dead one)."""
+        tensors = list(named_tensors)  # (read twice: the file, the broadcast)
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        path = self.store.publish(tensors, version, broadcast=self.address)
+        receivers = self.hub.sync(tensors, version) if self.hub is not None else 0
+        return PublishResult(version, path, nbytes, receivers)
+
+    def close(self) -> None:
+        if self.hub is not None:
+            self.hub.close()
+
+
+def build_publisher(
+    cfg: RunConfig, client: redis.Redis, device: torch.device | str
+) -> WeightPublisher:
+    """The run's publisher (the learner's rank 0 only; ``device`` is the learner's): files in
+    ``sync.weights_dir`` announced in Redis, and with ``sync.broadcast`` a hub on
+    ``sync.broadcast_port`` announced at ``sync.broadcast_host``. One code path: the hub speaks
+    NCCL from a CUDA device and gloo otherwise, unless ``sync.backend`` says which."""
+    device = torch.device(device)
+    hub = None
+    if cfg.sync.broadcast:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if cfg.sync.backend != "auto":
+            backend = cfg.sync.backend
+        hub = BroadcastHub(
+            cfg.sync.broadcast_port,
+            timeout_s=cfg.sync.timeout_s,
+            bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
+            backend=backend,
+            device=device if backend == "nccl" else "cpu",
+        )
+        log.info("broadcast hub (%s) on port %d", backend, hub.port)
+    return WeightPublisher(_store(cfg, client), hub, cfg.sync.broadcast_host)
+
+
+# -- a worker's side -----------------------------------------------------------------------------
+
+
+class WeightSink(Protocol):
+    """What a subscriber loads weights into: the weight half of ``rollout.engines``'
+    ``GenerationEngine``. An engine may also offer ``load_buckets(buckets, version)`` (packed
+    ``reval.weights.Bucket``s, e.g. the vLLM engine, which ships buckets to its workers): a
+    broadcast's buckets then reach it as received, never unpacked and packed again."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
+
+
+class WeightSubscriber:
+    """A worker's one source of weights (see the module docstring). Not thread-safe: one
+    caller, between generation batches."""
+
+    def __init__(self, store: WeightStore, worker_id: str, timeout_s: float = 60.0) -> None:
+        self.store = store
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+        """Timeout of the broadcast's collectives (``sync.timeout_s``)."""
+        self.version: int | None = None
+        """The version loaded last (None before the first)."""
+        self.source: str | None = None
+        """Where it came from: ``"file"`` or ``"broadcast"``."""
+        self.hub: str | None = None
+        """The hub address last announced (joined, or not joinable from here)."""
+        self.joined_broadcast = False
+        """True once it has joined a hub: a receiver thread may outlive ``close()`` (stuck in a
+        gloo or TCPStore call when the learner is gone)."""
+        self._receiver: BroadcastReceiver | None = None
+
+    @property
+    def backend(self) -> str | None:
+        """The backend it receives broadcasts with now (None: files only)."""
+        return self._receiver.backend if self._receiver is not None else None
+
+    @property
+    def received(self) -> int:
+        """Versions the current hub's broadcast has delivered (taken or not)."""
+        return self._receiver.received if self._receiver is not None else 0
+
+    def update(self, engine: WeightSink, force: bool = False) -> int | None:
+        """Load the newest announced weights into ``engine`` if they are not the ones it has;
+        the version loaded, or None. ``force``: read the announced file even when that version
+        is loaded, and do not look at the broadcast first."""
+        if not force:
+            version = self._from_broadcast(engine)
+            if version is not None:
+                return version
+        try:
+            ann = self.store.latest()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return None  # Redis away: keep the weights in hand
+        if ann is None:
+            return None
+        if ann.broadcast != self.hub:
+            self._join(ann.broadcast, engine)  # a (new) learner's hub, or none any more
+        # A different version, not only a newer one: a learner resumed from an earlier
+        # checkpoint announces a lower version, and the weights it trains on are those.
+        if not force and ann.version == self.version:
+            return None  # loaded already (from the broadcast, or this file)
+        try:
+            tensors = self.store.load(ann)
+        except FileNotFoundError:
+            log.warning("weights v%d were pruned before this worker read them", ann.version)
+            return None
+        engine.load_weights(tensors, ann.version)
+        self._loaded(ann.version, "file")
+        return ann.version
+
+    def _from_broadcast(self, engine: WeightSink) -> int | None:
+        """Load the newest version the receiver holds if it is newer than the loaded one (an
+        older one is stale; a resumed learner's lower versions come through the announcement,
+        which the caller reads next)."""
+        if self._receiver is None:
+            return None
+        got = self._receiver.take_buckets()
+        if got is None:
+            return None
+        version, buckets = got
+        try:
+            if self.version is not None and version <= self.version:
+                return None
+            load_buckets = getattr(engine, "load_buckets", None)
+            if load_buckets is not None:
+                load_buckets(buckets, version)
+            else:  # views of the receiver's buffers; the engine copies them
+                engine.load_weights((nt for b in buckets for nt in unpack_bucket(b)), version)
+        finally:
+            del buckets
+            self._receiver.release()  # the next version reuses the buffers
+        self._loaded(version, "broadcast")
+        return version
+
+    def _loaded(self, version: int, source: str) -> None:
+        self.version, self.source = version, source
+        log.info("worker %s: loaded weights v%d (%s)", self.worker_id, version, source)
+
+    def _join(self, address: str | None, engine: WeightSink) -> None:
+        """Join the hub at ``address`` (leaving the previous one; None: leave only); a worker
+        that cannot (an NCCL hub, an engine off CUDA) keeps reading the files."""
+        self.hub = address
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+        if address is None:
+            return
+        try:
+            backend, host, port = parse_address(address)
+        except ValueError as err:
+            log.warning("worker %s: %s; weights from files", self.worker_id, err)
+            return
+        device = torch.device(str(getattr(engine, "device", "cuda")))
+        if backend == "nccl" and device.type != "cuda":
+            log.warning(
+                "worker %s: the learner broadcasts over NCCL and this engine is on %s: "
+                "weights from files", self.worker_id, device,
+            )  # fmt: skip
+            return
+        self._receiver = BroadcastReceiver(
+            host,
+            port,
+            self.worker_id,
+            timeout_s=self.timeout_s,
+            backend=backend,
+            device=device if backend == "nccl" else "cpu",
+        )
+        self.joined_broadcast = True
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+
+
+def build_subscriber(cfg: RunConfig, client: redis.Redis, worker_id: str) -> WeightSubscriber:
+    """A worker's subscriber to the run's weights (``sync.weights_dir``, ``sync.timeout_s``)."""
+    return WeightSubscriber(_store(cfg, client), worker_id, timeout_s=cfg.sync.timeout_s)

@@ -46,7 +46,12 @@ class GenerationEngine(Protocol):
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy new weights in place and set the policy version."""
+        """Copy new weights in place and set the policy version. The tensors may be views of
+        buffers the caller reuses afterwards: copy, do not keep them.
+
+        Weights reach an engine through ``reval.weight_sync.WeightSubscriber.update``. An engine
+        that moves packed buckets anyway (``VLLMEngine``) also has ``load_buckets(buckets,
+        version)``: the subscriber then hands it a broadcast's buckets as received."""
         ...
 
 

@@ -239,11 +239,17 @@ class VLLMEngine:
     # -- weights -----------------------------------------------------------------------------
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Pack the tensors (HF checkpoint names) into buckets on the CPU and load each bucket in
-        every worker with one ``collective_rpc``."""
+        """Pack the tensors (HF checkpoint names) into buckets of ``bucket_bytes`` on the CPU and
+        load them (``load_buckets``)."""
         cpu = ((name, t.detach().to("cpu")) for name, t in named_tensors)
-        for bucket in pack_buckets(cpu, self.bucket_bytes, version=version):
-            data = bucket.data.numpy().tobytes()
+        self.load_buckets(pack_buckets(cpu, self.bucket_bytes, version=version), version)
+
+    def load_buckets(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Load packed buckets (``reval/weights.py``), one ``collective_rpc`` each, in every
+        worker. A broadcast's buckets (``WeightSubscriber``) come here as they were received, in
+        the learner's bucket size: they are not unpacked and packed again on the way."""
+        for bucket in buckets:
+            data = bucket.data.detach().to("cpu").numpy().tobytes()
             self.llm.collective_rpc("reval_load_bucket", args=(bucket.header(), data))
         self._weights_changed(version)
 

@@ -93,7 +93,7 @@ def _prepare(
     cfg: RunConfig, benchmarks: list[str], data_dir: str | None
 ) -> tuple[Any, Any, SamplingParams, list[Benchmark]]:
     """The engine, its tokenizer, the sampling of the evaluation and the loaded benchmarks."""
-    from services.rollout import build_engine
+    from rollout.worker import build_engine
 
     unknown = [b for b in benchmarks if b not in BENCHMARKS]
     if unknown:

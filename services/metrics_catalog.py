@@ -28,7 +28,7 @@ def registries() -> dict[str, CollectorRegistry]:
     from learner.service import LearnerMetrics
     from reval.metrics import TrainMetrics
     from rollout.verify import VerifierMetrics
-    from services.rollout import RolloutMetrics
+    from rollout.worker import RolloutMetrics
 
     learner = LearnerMetrics()
     BufferMetrics(learner.registry)

@@ -25,7 +25,7 @@ from reval.registry import worker_key
 from reval.weight_sync import WeightStore
 from rollout.dealer import PromptDealer
 from rollout.tasks import Prompt
-from services.rollout import RolloutWorker
+from rollout.worker import RolloutWorker
 from tests.integration.test_redis_buffer import OwnRedis
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -248,13 +248,13 @@ def test_worker_on_cpu_reads_files_when_the_learner_broadcasts_over_nccl(
     worker = RolloutWorker(cfg, "wn")
     try:
         assert worker.wait_for_weights(timeout_s=20)
-        assert worker.engine.policy_version == 3 and worker.receiver is None
+        assert worker.engine.policy_version == 3 and worker.weights.backend is None
         # A gloo hub, announced with the next version: the worker joins it.
         hub = BroadcastHub(0, host="127.0.0.1", timeout_s=10)
         publish(cfg, 4, broadcast=f"gloo://127.0.0.1:{hub.port}")
         assert worker._load()
-        assert worker.engine.policy_version == 4 and worker.receiver is not None
-        assert worker.receiver.backend == "gloo"
+        assert worker.engine.policy_version == 4 and worker.weights.backend == "gloo"
+        assert worker.stats.weight_loads == 2
     finally:
         worker.shutdown()
 

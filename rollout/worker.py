@@ -1,9 +1,11 @@
-"""``reval rollout``: one rollout worker (an actor of the actor-learner service).
+"""``reval rollout``: one rollout worker (an actor of the actor-learner service; its twin, the
+learner process, is ``learner/service.py``).
 
 It registers itself in Redis with a heartbeat, waits until the learner has announced weights,
 then loops: take prompts from the shared deal, generate N answers each, verify them, transform the
 rewards per group, tag every trajectory with its policy version and push the batch into the
-replay service. Between batches it loads newer weights when the learner announced them. It never
+replay service. Between batches it loads newer weights through its ``WeightSubscriber``
+(``reval/weight_sync.py``: the broadcast or the announced file, whichever has them). It never
 waits for the learner (pushes go through the replay client's retries and spool), survives a Redis
 restart, and on SIGTERM/SIGINT finishes the batch in hand, pushes it, deregisters and exits 0.
 """
@@ -33,7 +35,7 @@ from reval.config import RunConfig
 from reval.control import RunControl
 from reval.metrics import PREFIX
 from reval.policy import load_policy
-from reval.weight_sync import WeightStore
+from reval.weight_sync import build_subscriber
 from rollout.collect import collect_round
 from rollout.dealer import PromptDealer
 from rollout.engines import GenerationEngine, HFEngine, SamplingParams
@@ -149,15 +151,11 @@ class RolloutWorker:
         self.dealer = PromptDealer(
             self.client, b.key_prefix, cfg.name, list(self.task.prompts), seed=cfg.seed
         )
-        weights_dir = cfg.sync.weights_dir or str(cfg.run_dir / "weights")
-        self.weights = WeightStore(self.client, b.key_prefix, cfg.name, weights_dir)
+        self.weights = build_subscriber(cfg, self.client, self.worker_id)
         self.control = RunControl(self.client, b.key_prefix, cfg.name)
         self.paused = False
         self.last_tick = time.monotonic()
         self._heartbeat: threading.Thread | None = None
-        self._loaded: tuple[int, float] | None = None
-        self.receiver: Any = None
-        self.receiver_addr: str | None = None
         self.params = SamplingParams(
             n=cfg.rollout.n,
             temperature=cfg.rollout.temperature,
@@ -208,7 +206,7 @@ class RolloutWorker:
 
     def ready(self) -> tuple[bool, str]:
         """It has weights and reaches Redis."""
-        if self._loaded is None:
+        if self.weights.version is None:
             return False, "waiting for the learner's first weights"
         self.client.ping()
         return True, f"policy version {self.engine.policy_version}"
@@ -227,7 +225,7 @@ class RolloutWorker:
             self.paused = st.phase == "paused"
             self._register("paused" if self.paused else "running")
             log.info("worker %s: %s", self.worker_id, "paused" if self.paused else "resumed")
-        temperature = st.hparams.get("temperature")
+        temperature = st.hparams.temperature
         if temperature is not None and temperature != self.params.temperature:
             self.params = dataclasses.replace(self.params, temperature=float(temperature))
             detail = {"temperature": temperature, "worker": self.worker_id}
@@ -262,83 +260,14 @@ class RolloutWorker:
 
     # -- weights --------------------------------------------------------------------------------
 
-    def _from_broadcast(self) -> bool:
-        """Load the newest version the broadcast receiver holds (True if it loaded)."""
-        if self.receiver is None:
+    def _load(self, force: bool = False) -> bool:
+        """Load newer announced weights (``WeightSubscriber.update``); True if it loaded."""
+        version = self.weights.update(self.engine, force=force)
+        if version is None:
             return False
-        got = self.receiver.take()
-        if got is None:
-            return False
-        version, tensors = got
-        self.engine.load_weights(tensors, version)  # copies: the receiver may reuse the memory
-        del tensors
-        self.receiver.release()
-        self._loaded = (version, -1.0)
         self.stats.weight_loads += 1
         self.metrics.weight_loads.inc()
         self.metrics.version.set(version)
-        return True
-
-    def _join_broadcast(self, address: str) -> None:
-        """Join the (new) learner's hub; a worker that cannot (an NCCL hub, no GPU here) keeps
-        reading the files."""
-        import torch
-
-        from reval.broadcast import BroadcastReceiver, parse_address
-
-        self.receiver_addr = address
-        if self.receiver is not None:
-            self.receiver.close()
-            self.receiver = None
-        try:
-            backend, host, port = parse_address(address)
-        except ValueError as err:
-            log.warning("worker %s: %s; weights from files", self.worker_id, err)
-            return
-        device = torch.device(str(getattr(self.engine, "device", "cuda")))
-        if backend == "nccl" and device.type != "cuda":
-            log.warning(
-                "worker %s: the learner broadcasts over NCCL and this engine is on %s: "
-                "weights from files", self.worker_id, device,
-            )  # fmt: skip
-            return
-        self.receiver = BroadcastReceiver(
-            host,
-            port,
-            self.worker_id,
-            timeout_s=self.cfg.sync.timeout_s,
-            backend=backend,
-            device=device if backend == "nccl" else "cpu",
-        )
-
-    def _load(self, force: bool = False) -> bool:
-        """Load newer announced weights; True if it loaded."""
-        if not force and self._from_broadcast():
-            return True
-        try:
-            ann = self.weights.latest()
-        except (redis.ConnectionError, redis.TimeoutError):
-            return False
-        if ann is not None and ann.broadcast and ann.broadcast != self.receiver_addr:
-            # A (new) learner broadcasts: join its hub (a resumed learner has a new one).
-            self._join_broadcast(ann.broadcast)
-        if ann is not None and self._loaded is not None and ann.version == self._loaded[0]:
-            return False  # the broadcast already brought this version
-        # A different announcement, not only a newer one: a learner resumed from an earlier
-        # checkpoint announces a lower version, and the weights it trains on are those.
-        if ann is None or (not force and (ann.version, ann.time) == self._loaded):
-            return False
-        try:
-            tensors = self.weights.load(ann)
-        except FileNotFoundError:
-            log.warning("weights v%d were pruned before this worker read them", ann.version)
-            return False
-        self.engine.load_weights(tensors, ann.version)
-        self._loaded = (ann.version, ann.time)
-        self.stats.weight_loads += 1
-        self.metrics.weight_loads.inc()
-        self.metrics.version.set(ann.version)
-        log.info("worker %s: loaded weights v%d", self.worker_id, ann.version)
         return True
 
     def wait_for_weights(self, timeout_s: float | None = None) -> bool:
@@ -440,8 +369,7 @@ class RolloutWorker:
             n = self.ring.spooled
             log.error("worker %s: %d trajectories could not be pushed", self.worker_id, n)
         self._deregister()
-        if self.receiver is not None:
-            self.receiver.close()
+        self.weights.close()
         if self.verifier_pool is not None:
             self.verifier_pool.close()
 
@@ -492,7 +420,7 @@ def main(cfg: RunConfig, worker_id: str | None, max_batches: int | None, port: i
         ),
         flush=True,
     )
-    if worker.receiver is not None:
+    if worker.weights.joined_broadcast:
         # The broadcast receiver's thread may sit in a gloo or TCPStore call (the learner gone):
         # leave without the interpreter's teardown, which would abort under it. Everything
         # that matters (pushes, deregistration, the summary) is done.
