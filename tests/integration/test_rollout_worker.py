@@ -424,21 +424,19 @@ def test_math_worker_grades_in_the_process_pool(tmp_path, redis_url, redis_prefi
 def test_oneshot_calibration_goes_from_the_learner_to_the_workers(
     tmp_path, redis_url, redis_prefix
 ):
-    """The learner calibrates the one-shot task on the initial policy and shares it; a worker's
-    verifier accepts exactly the learner's codes (not its own uncalibrated guess)."""
-    from types import SimpleNamespace
-
-    from learner.service import LearnerService
+    """The learner's set-up (``services/setup.py``, before its ranks start) calibrates the
+    one-shot task on the initial policy and shares it; a worker's verifier accepts exactly the
+    learner's codes (not its own uncalibrated guess)."""
     from rollout.tasks import OneShotTask
+    from services.setup import prepare_learner
 
     cfg = worker_cfg(
         tmp_path, redis_url, redis_prefix, "task.kind=oneshot", "task.oneshot_base_success=0.4",
-        "rollout.worker_prompts=1",
+        "rollout.worker_prompts=1", "model.pretrain_steps=0",  # calibrated on this policy
     )  # fmt: skip
     client = redis.Redis.from_url(redis_url)
     policy = load_policy(cfg.model, cfg.seed)
-    fake_learner = SimpleNamespace(cfg=cfg, client=client)
-    LearnerService._share_task_setup(fake_learner, policy, resume=False)
+    assert prepare_learner(cfg, resume=False) == cfg  # (nothing to pretrain)
     expected = OneShotTask(base_success=0.4, seed=cfg.seed)
     p = expected.calibrate(policy)
     shared = json.loads(client.get(registry.task_key(redis_prefix, "w")))
@@ -446,7 +444,7 @@ def test_oneshot_calibration_goes_from_the_learner_to_the_workers(
     assert abs(shared["base_success"] - p) < 1e-9
     # A resumed learner keeps what the workers use.
     client.set(registry.task_key(redis_prefix, "w"), json.dumps({**shared, "accepted": ["07"]}))
-    LearnerService._share_task_setup(fake_learner, policy, resume=True)
+    prepare_learner(cfg, resume=True)
     assert json.loads(client.get(registry.task_key(redis_prefix, "w")))["accepted"] == ["07"]
     client.set(registry.task_key(redis_prefix, "w"), json.dumps(shared))
 
