@@ -59,7 +59,7 @@ from reval.config import RunConfig, dump_config
 from reval.control import RunControl, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import load_policy
-from reval.weight_sync import WeightStore
+from reval.weight_sync import build_publisher
 
 log = logging.getLogger("reval.learner")
 
@@ -142,12 +142,6 @@ class LearnerService:
         )
         self.source = BatchSource.from_config(self.ring, cfg)
         self.client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
-        self.weights = WeightStore(
-            self.client,
-            cfg.buffer.key_prefix,
-            cfg.name,
-            cfg.sync.weights_dir or str(self.run_dir / "weights"),
-        )
         self.tokenizer, self.model, self.reference_model = self._build_models()
         world = self.world
         self.learner = Learner(
@@ -169,7 +163,8 @@ class LearnerService:
             gather=_gather if world > 1 else None,
         )
         self.writer = JsonlWriter(self.run_dir / "learner.jsonl") if self.rank == 0 else None
-        self.hub = self._build_hub() if self.rank == 0 and cfg.sync.broadcast else None
+        # The one weight publisher (files announced in Redis, and the broadcast when on).
+        self.publisher = build_publisher(cfg, self.client, self.device) if self.rank == 0 else None
         self.broadcast_to = 0
         self.saved_step = -1
         self.control = RunControl(self.client, cfg.buffer.key_prefix, cfg.name)
@@ -199,24 +194,6 @@ class LearnerService:
         reference.to(self.device).eval().requires_grad_(False)
         mesh = init_device_mesh(self.device.type, (self.world,))
         return policy.tokenizer, _shard(model, mesh), _shard(reference, mesh, reshard_root=True)
-
-    def _build_hub(self) -> Any:
-        from reval.broadcast import BroadcastHub
-
-        cfg = self.cfg
-        # One code path: NCCL groups from a GPU learner, gloo from a CPU one.
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if cfg.sync.backend != "auto":
-            backend = cfg.sync.backend
-        hub = BroadcastHub(
-            cfg.sync.broadcast_port,
-            timeout_s=cfg.sync.timeout_s,
-            bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
-            backend=backend,
-            device=self.device if backend == "nccl" else "cpu",
-        )
-        log.info("broadcast hub (%s) on port %d", backend, hub.port)
-        return hub
 
     def _register(self, resume: bool) -> None:
         """Requests made before this learner started are not replayed; the run is registered
@@ -352,15 +329,11 @@ class LearnerService:
     def publish(self) -> None:
         t0 = time.perf_counter()
         sd = self.full_state()
-        if self.rank == 0:
+        if self.publisher is not None:
             version = self.learner.step
-            where = None
-            if self.hub is not None:
-                where = f"{self.hub.backend}://{self.cfg.sync.broadcast_host}:{self.hub.port}"
-            self.weights.publish(sd.items(), version, broadcast=where)
-            self.metrics.sync_bytes.inc(sum(t.numel() * t.element_size() for t in sd.values()))
-            if self.hub is not None:
-                self.broadcast_to = self.hub.sync(sd.items(), version)
+            done = self.publisher.publish(sd.items(), version)
+            self.metrics.sync_bytes.inc(done.nbytes)
+            self.broadcast_to = done.receivers
             self.ring.set_policy_version(version)
         self.published = True
         self.metrics.sync_s.inc(time.perf_counter() - t0)
@@ -458,6 +431,8 @@ class LearnerService:
         if finished:
             self.export_hf(self.run_dir / "final")
         self._status("done" if finished else "stopped")
+        if self.publisher is not None:
+            self.publisher.close()
         return self.state
 
     def _log(self, record: dict[str, Any], wait: float, elapsed: float) -> None:
@@ -467,8 +442,14 @@ class LearnerService:
             self.client, self.cfg.buffer.key_prefix, self.cfg.name, self.cfg.rollout.heartbeat_s
         )
         self.metrics.workers.set(alive)
+        try:
+            ring = self.ring.stats()
+            counters = {"buffer_inserted": ring.inserted, "buffer_sampled": ring.sampled}
+        except (redis.ConnectionError, redis.TimeoutError, ConnectionError):
+            counters = {}
         record = {
             **record,
+            **counters,
             "wait_data_s": wait,
             "elapsed_s": elapsed,
             "workers": alive,

@@ -155,6 +155,12 @@ class BufferConfig(_Section):
     ahead, inserts never wait. Unset: it follows from the update schedule, ``updates_per_round *
     batch_size / (prompts_per_round * n)`` (the paper's K = 2 with B = one round: each
     trajectory is used K times), so the service reuses data as the one-process loop does."""
+    generate_ahead: int | None = Field(None, ge=0)
+    """Rollout workers wait before a generation batch while the learner owes more than this many
+    samples under the limiter (``samples_per_insert * inserted - sampled``): generation runs at
+    most this far ahead of training, so each trajectory is used K times also when the learner is
+    the slower side. Unset: workers never wait for the learner (what they generate faster than it
+    trains is used fewer than K times, or evicted unused)."""
     rate_slack: int = Field(0, ge=0)
     """Trajectories the learner may sample beyond the ratio before it waits."""
     min_size_to_sample: int = Field(0, ge=0)

@@ -61,6 +61,11 @@ class RolloutMetrics:
             f"{p}weight_wait_seconds", "Time spent waiting for weights", registry=r
         )
         self.weight_loads = Counter(f"{p}weight_loads", "New weights loaded", registry=r)
+        self.ahead_wait = Counter(
+            f"{p}ahead_wait_seconds",
+            "Time waiting while generation is buffer.generate_ahead samples ahead of the learner",
+            registry=r,
+        )
         self.verify_seconds = Histogram(
             f"{p}verify_seconds",
             "Grading time of one batch",
@@ -154,6 +159,8 @@ class RolloutWorker:
         self.weights = build_subscriber(cfg, self.client, self.worker_id)
         self.control = RunControl(self.client, b.key_prefix, cfg.name)
         self.paused = False
+        self.samples_per_insert = b.samples_per_insert
+        """K of the limiter (live changes followed): what ``generate_ahead`` measures against."""
         self.last_tick = time.monotonic()
         self._heartbeat: threading.Thread | None = None
         self.params = SamplingParams(
@@ -225,6 +232,8 @@ class RolloutWorker:
             self.paused = st.phase == "paused"
             self._register("paused" if self.paused else "running")
             log.info("worker %s: %s", self.worker_id, "paused" if self.paused else "resumed")
+        if st.hparams.samples_per_insert is not None:
+            self.samples_per_insert = float(st.hparams.samples_per_insert)
         temperature = st.hparams.temperature
         if temperature is not None and temperature != self.params.temperature:
             self.params = dataclasses.replace(self.params, temperature=float(temperature))
@@ -319,12 +328,29 @@ class RolloutWorker:
                     continue
                 if self._load():
                     self._register("running")
+                if self._ahead():
+                    t_wait = time.monotonic()
+                    self.stop.wait(0.05)
+                    self.metrics.ahead_wait.inc(time.monotonic() - t_wait)
+                    continue
                 t0 = time.monotonic()
                 self._batch(n_prompts)
                 self.stats.busy_s += time.monotonic() - t0
         finally:
             self.shutdown()
         return self.stats
+
+    def _ahead(self) -> bool:
+        """Whether generation is more than ``buffer.generate_ahead`` samples ahead of the
+        learner under the limiter (then the worker waits: each trajectory is used K times)."""
+        limit = self.cfg.buffer.generate_ahead
+        if limit is None or self.samples_per_insert is None:
+            return False
+        try:
+            st = self.ring.stats()
+        except (redis.ConnectionError, redis.TimeoutError, ConnectionError):
+            return False  # Redis away: generate; the ring spools
+        return self.samples_per_insert * st.inserted - st.sampled > limit
 
     def _batch(self, n_prompts: int) -> None:
         dealt = self.dealer.take(n_prompts)

@@ -26,6 +26,7 @@ def registries() -> dict[str, CollectorRegistry]:
     """A fresh registry per process kind, filled as that process fills its own."""
     from buffer.metrics import BufferMetrics
     from learner.service import LearnerMetrics
+    from learner.step import UpdateMetrics
     from reval.metrics import TrainMetrics
     from rollout.verify import VerifierMetrics
     from rollout.worker import RolloutMetrics
@@ -37,6 +38,7 @@ def registries() -> dict[str, CollectorRegistry]:
     VerifierMetrics(rollout.registry)
     train = TrainMetrics()
     BufferMetrics(train.registry)
+    UpdateMetrics(train.registry)  # (the update step's, as in the learner)
     from services.evaluate import EvalMetrics
     from services.launch import LaunchMetrics
 

@@ -24,7 +24,6 @@ from reval.config import AlgoConfig, LearnerConfig, ModelConfig
 from reval.policy import load_policy
 from tests.conftest import make_traj
 
-
 GROUP_SIZES = (4, 4, 3, 1)
 """GRPO's groups: uneven, so the whole-group shares are 7 and 5 (4 and 3 micro-batches of 2)."""
 

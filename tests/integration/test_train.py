@@ -136,10 +136,10 @@ def test_all_updates_from_the_buffer_and_reload_through_load_policy(tmp_path):
     the real-checkpoint path of the policy factory with identical outputs."""
     import torch
 
-    from reval.config import ModelConfig
-    from reval.policy import load_policy
     from learner.checkpoint import load_checkpoint
     from learner.trainer import Learner
+    from reval.config import ModelConfig
+    from reval.policy import load_policy
     from services.setup import build_policy_and_task
 
     res = train(
