@@ -10,9 +10,11 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from buffer.base import (
     BufferStats,
@@ -26,6 +28,8 @@ from buffer.base import (
 from buffer.metrics import BufferMetrics
 from buffer.records import RecordError, Trajectory
 from buffer.sumtree import SumTree
+
+T = TypeVar("T")
 
 
 class MemoryRing:
@@ -214,94 +218,95 @@ class MemoryRing:
         return chosen, probs, skipped
 
     def sample(self, batch_size: int, timeout: float = 0.0) -> SampledBatch:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if batch_size > self._capacity:
             raise ValueError(
                 f"cannot sample {batch_size} from a buffer of capacity {self._capacity}"
             )
+
+        def attempt() -> tuple[tuple[list[int], list[float], int] | None, str]:
+            reason = self._blocked(batch_size)
+            drawn = None if reason else self._draw(batch_size)
+            return drawn, reason or f"fewer than {batch_size} trajectories within max_staleness"
+
         start = time.perf_counter()
-        deadline = start + timeout
-        waited = 0.0
         with self._cond:
-            dropped = self._drop_stale_prefix()
-            while True:
-                reason = self._blocked(batch_size)
-                drawn = None if reason else self._draw(batch_size)
-                if drawn is not None:
-                    break
-                reason = reason or f"fewer than {batch_size} trajectories within max_staleness"
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    raise SampleTimeout(reason)
-                t0 = time.perf_counter()
-                self._cond.wait(min(left, 0.05))
-                waited += time.perf_counter() - t0
-                dropped += self._drop_stale_prefix()
-            positions, probs, skipped = drawn
-            out = []
-            for pos in positions:
-                t = self._slots[pos % self._capacity]
-                assert t is not None
-                t.use_count += 1
-                out.append(t)
-            self._sampled += batch_size
-            version, size = self._version, len(self)
+            (positions, probs, skipped), waited, dropped = self._until(
+                attempt, batch_size, start + timeout
+            )
+            out, version, size = self._hand_out(positions)
         if self._tree is not None:
             weights = importance_weights(np.asarray(probs), size, self.beta)
         else:
             weights = np.ones(batch_size, dtype=np.float32)
-        staleness = np.array([version - t.policy_version for t in out], dtype=np.int64)
-        batch = SampledBatch(out, weights, staleness, skipped + dropped, waited)
-        if self.metrics is not None:
-            self.metrics.observe_sample(
-                time.perf_counter() - start, waited, staleness.tolist(), [t.use_count for t in out]
-            )
-            self.metrics.dropped_stale.inc(skipped + dropped)
-            self.metrics.size.set(size)
-        return batch
+        return self._batch(out, weights, version, size, skipped + dropped, waited, start)
 
     def take(
         self, batch_size: int, timeout: float = 0.0, whole_groups: bool = False
     ) -> SampledBatch:
+        def attempt() -> tuple[list[int] | None, str]:
+            what = "in whole groups " if whole_groups else ""
+            why = f"fewer than {batch_size} fresh trajectories {what}in {len(self)} held"
+            return pick_fresh(self._fresh_runs(), batch_size, whole_groups), why
+
+        start = time.perf_counter()
+        with self._cond:
+            picked, waited, dropped = self._until(attempt, batch_size, start + timeout)
+            out, version, size = self._hand_out(picked)
+        weights = np.ones(len(out), dtype=np.float32)
+        return self._batch(out, weights, version, size, dropped, waited, start)
+
+    def _until(
+        self, attempt: Callable[[], tuple[T | None, str]], batch_size: int, deadline: float
+    ) -> tuple[T, float, int]:
+        """``attempt()`` -> (a draw or None, why not) until it draws or the deadline passes
+        (SampleTimeout), waiting on inserts; returns (the draw, seconds waited, stale ones
+        dropped). Caller holds the lock."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        start = time.perf_counter()
-        deadline = start + timeout
         waited = 0.0
-        with self._cond:
-            dropped = self._drop_stale_prefix()
-            while True:
-                picked = pick_fresh(self._fresh_runs(), batch_size, whole_groups)
-                if picked is not None:
-                    break
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    what = "in whole groups " if whole_groups else ""
-                    raise SampleTimeout(
-                        f"fewer than {batch_size} fresh trajectories {what}in {len(self)} held"
-                    )
-                t0 = time.perf_counter()
-                self._cond.wait(min(left, 0.05))
-                waited += time.perf_counter() - t0
-                dropped += self._drop_stale_prefix()
-            out = []
-            for pos in picked:
-                t = self._slots[pos % self._capacity]
-                assert t is not None
-                t.use_count += 1
-                out.append(t)
-            self._sampled += len(out)
-            version, size = self._version, len(self)
+        dropped = self._drop_stale_prefix()
+        while True:
+            got, reason = attempt()
+            if got is not None:
+                return got, waited, dropped
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise SampleTimeout(reason)
+            t0 = time.perf_counter()
+            self._cond.wait(min(left, 0.05))
+            waited += time.perf_counter() - t0
+            dropped += self._drop_stale_prefix()
+
+    def _hand_out(self, positions: Sequence[int]) -> tuple[list[Trajectory], int, int]:
+        """The trajectories at ``positions`` with their uses counted, the policy version and the
+        size. Caller holds the lock."""
+        out = []
+        for pos in positions:
+            t = self._slots[pos % self._capacity]
+            assert t is not None
+            t.use_count += 1
+            out.append(t)
+        self._sampled += len(out)
+        return out, self._version, len(self)
+
+    def _batch(
+        self,
+        out: list[Trajectory],
+        weights: npt.NDArray[np.float32],
+        version: int,
+        size: int,
+        skipped: int,
+        waited: float,
+        start: float,
+    ) -> SampledBatch:
         staleness = np.array([version - t.policy_version for t in out], dtype=np.int64)
-        batch = SampledBatch(out, np.ones(len(out), dtype=np.float32), staleness, dropped, waited)
         if self.metrics is not None:
             self.metrics.observe_sample(
-                time.perf_counter() - start, waited, staleness.tolist(), [1] * len(out)
+                time.perf_counter() - start, waited, staleness.tolist(), [t.use_count for t in out]
             )
-            self.metrics.dropped_stale.inc(dropped)
+            self.metrics.dropped_stale.inc(skipped)
             self.metrics.size.set(size)
-        return batch
+        return SampledBatch(out, weights, staleness, skipped, waited)
 
     def _fresh_runs(self) -> list[FreshRun]:
         """``take``'s candidates, newest insert first. Caller holds the lock."""
