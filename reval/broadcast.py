@@ -251,13 +251,23 @@ class BroadcastReceiver:
         self._thread = threading.Thread(target=self._run, name="weights-receiver", daemon=True)
         self._thread.start()
 
-    def take_buckets(self) -> tuple[int, list[Bucket]] | None:
+    @property
+    def latest_version(self) -> int | None:
+        """The version ``take_buckets`` would hand out now (None: nothing new), without taking
+        it."""
+        with self._lock:
+            return self._latest[0] if self._latest is not None else None
+
+    def take_buckets(self, only: int | None = None) -> tuple[int, list[Bucket]] | None:
         """The newest complete version received since the last take (or None), as the buckets
         it arrived in (the learner's packing, unchanged: an engine that loads packed buckets
         gets them without a second packing). Their data are the receiver's buffers: call
         ``release()`` once they are loaded (copied) so the next version reuses the memory;
-        without it the next version gets new buffers."""
+        without it the next version gets new buffers. ``only``: take it only if it is that
+        version (else leave it and return None; tensor-parallel ranks agree on one version)."""
         with self._lock:
+            if only is not None and (self._latest is None or self._latest[0] != only):
+                return None
             out, self._latest = self._latest, None
             if out is None:
                 return None

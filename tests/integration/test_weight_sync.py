@@ -1,9 +1,10 @@
 """One publisher, one subscriber (``reval/weight_sync.py``), against the real Redis and real gloo
 groups: a subscriber loads the same weights whether they came through the files or the
 broadcast; it follows a resumed learner (a new hub, a lower version); it keeps to the files when
-the hub speaks NCCL and its engine is off CUDA; a bucket-loading engine (vLLM's adapter) gets the
-learner's buckets as they were packed, once; and the rollout worker uses nothing but the
-subscriber."""
+the hub speaks NCCL and its engine is off CUDA; a bucket-loading engine gets the learner's buckets
+as they were packed, once; an engine that receives in processes of its own (vLLM's adapter; the
+real one in ``test_vllm_weights.py``) gets the hub's address and the files' paths, never tensors
+from the subscriber; and the rollout worker uses nothing but the subscriber."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import ast
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import redis
 import torch
+from safetensors.torch import load_file
 
+from reval.broadcast import BroadcastReceiver, parse_address
 from reval.config import RunConfig, load_config
 from reval.policy import load_policy
 from reval.weight_sync import (
@@ -27,9 +29,8 @@ from reval.weight_sync import (
     build_publisher,
     build_subscriber,
 )
-from reval.weights import Bucket, plan_buckets, unpack_bucket
+from reval.weights import Bucket, plan_buckets
 from rollout.engines import HFEngine, SamplingParams
-from rollout.vllm_engine import VLLMEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET_MB = 0.02  # ~20 KB: the tiny model's weights go in many buckets
@@ -120,35 +121,49 @@ class BucketEngine:
         self.policy_version = version
 
 
-class RecordingLLM:
-    """Stands in for ``vllm.LLM`` behind ``VLLMEngine``: runs the extension's bucket decoding
-    and records every RPC."""
+class SelfReceivingEngine(CountingEngine):
+    """An engine that receives broadcasts and reads files in "processes of its own" (as
+    ``VLLMEngine`` does inside its vLLM workers; here a ``BroadcastReceiver`` it owns), so that
+    the subscriber holds no receiver and never loads tensors itself."""
 
-    def __init__(self) -> None:
-        self.rpcs: list[tuple[str, tuple[Any, ...]]] = []
-        self.loaded: dict[str, torch.Tensor] = {}
+    def __init__(self, cfg: RunConfig, seed: int) -> None:
+        policy = load_policy(cfg.model, seed)
+        policy.model.eval()
+        super().__init__(policy.model, policy.pad_id, policy.eos_id, policy.device)
+        self.receiver: BroadcastReceiver | None = None
+        self.broadcast_backend: str | None = None
+        self.calls: list[str] = []
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), **_: Any) -> list[int]:
-        self.rpcs.append((method, args))
-        header, data = args
-        version, nbytes, metas = Bucket.metas_from_header(header)
-        assert isinstance(data, bytes) and len(data) == nbytes
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        for name, t in unpack_bucket(Bucket(metas, buf, version)):
-            self.loaded[name] = t.clone()
-        return [len(metas)]
+    def load_weights_file(self, path: Path, version: int) -> None:
+        self.calls.append("file")
+        self.load_weights(load_file(str(path)).items(), version)
 
-    def reset_prefix_cache(self) -> bool:
+    def join_broadcast(self, address: str, worker_id: str, timeout_s: float) -> bool:
+        self.calls.append("join")
+        backend, host, port = parse_address(address)
+        if backend != "gloo":
+            return False
+        self.receiver = BroadcastReceiver(host, port, worker_id, timeout_s=timeout_s)
+        self.broadcast_backend = backend
         return True
 
+    def broadcast_state(self) -> tuple[int | None, int]:
+        r = self.receiver
+        return (r.latest_version, r.received) if r is not None else (None, 0)
 
-def vllm_engine_without_vllm(bucket_bytes: int = 256 << 20) -> tuple[VLLMEngine, RecordingLLM]:
-    engine = object.__new__(VLLMEngine)
-    llm = RecordingLLM()
-    engine.llm = llm
-    engine.bucket_bytes = bucket_bytes
-    engine.policy_version = 0
-    return engine, llm
+    def take_broadcast(self, newer_than: int | None) -> int | None:
+        self.calls.append("take")
+        got = self.receiver.take() if self.receiver is not None else None
+        if got is None or (newer_than is not None and got[0] <= newer_than):
+            return None
+        self.load_weights(got[1], got[0])
+        return got[0]
+
+    def leave_broadcast(self) -> None:
+        self.calls.append("leave")
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver, self.broadcast_backend = None, None
 
 
 @pytest.mark.timeout(180)
@@ -209,39 +224,59 @@ def test_files_and_gloo_broadcast_load_the_same_weights(tmp_path, redis_url, red
 
 @pytest.mark.timeout(180)
 def test_bucket_engines_get_the_learners_buckets_unrepacked(tmp_path, redis_url, redis_prefix):
-    """The broadcast's buckets reach an engine that loads buckets (vLLM's adapter) exactly as the
-    learner packed them: one RPC per received bucket, no second packing into other buckets."""
+    """The broadcast's buckets reach an engine that loads buckets exactly as the learner packed
+    them: no second packing into other buckets."""
     cfg = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true")
     client = redis.Redis.from_url(redis_url)
     publisher = build_publisher(cfg, client, "cpu")
     fake = BucketEngine()
-    vllm, llm = vllm_engine_without_vllm()
     s1 = build_subscriber(cfg, client, "bucket-engine")
-    s2 = build_subscriber(cfg, client, "vllm-engine")
     try:
         w1 = learner_weights(cfg, 1)
         publisher.publish(w1.items(), 1)
         assert s1.update(fake) == 1 and fake.plain_loads == 1  # a file: plain tensors
-        assert s2.update(vllm) == 1 and vllm.policy_version == 1  # packed once, by the engine
-        assert_same(llm.loaded, w1)
-        joined(publisher, 2)
-        llm.rpcs.clear()
+        joined(publisher, 1)
         w2 = learner_weights(cfg, 2)
-        assert publisher.publish(w2.items(), 2).receivers == 2
+        assert publisher.publish(w2.items(), 2).receivers == 1
         received(s1, 1)
-        received(s2, 1)
-        assert s1.update(fake) == 2 and s2.update(vllm) == 2
-        assert s1.source == s2.source == "broadcast" and vllm.policy_version == 2
+        assert s1.update(fake) == 2 and s1.source == "broadcast"
         plan = plan_buckets(w2.items(), int(BUCKET_MB * (1 << 20)), 2)
         assert len(plan) > 3
-        learner_buckets = [(p.header(), p.pack().data.numpy().tobytes()) for p in plan]
-        assert fake.got == learner_buckets
-        assert [args for _, args in llm.rpcs] == learner_buckets  # not re-packed to 256 MB
-        assert {m for m, _ in llm.rpcs} == {"reval_load_bucket"}
-        assert_same(llm.loaded, w2)
+        assert fake.got == [(p.header(), p.pack().data.numpy().tobytes()) for p in plan]
     finally:
         s1.close()
-        s2.close()
+        publisher.close()
+
+
+@pytest.mark.timeout(180)
+def test_an_engine_that_receives_itself_gets_everything_past_the_subscriber(
+    tmp_path, redis_url, redis_prefix
+):
+    """An engine with its own receiver (the vLLM engine's shape): the subscriber joins the hub
+    through it, takes broadcasts through it and hands it announced files by path; it holds no
+    receiver of its own, and a version is still loaded once, newest first."""
+    cfg = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true")
+    client = redis.Redis.from_url(redis_url)
+    publisher = build_publisher(cfg, client, "cpu")
+    engine = SelfReceivingEngine(cfg, 1)
+    sub = build_subscriber(cfg, client, "self-receiving")
+    try:
+        w1 = learner_weights(cfg, 1)
+        publisher.publish(w1.items(), 1)
+        assert sub.update(engine) == 1 and sub.source == "file"
+        assert engine.calls == ["join", "file"] and engine.loads == 1
+        assert sub._receiver is None and sub.joined_broadcast and sub.backend == "gloo"
+        joined(publisher, 1)
+        w2 = learner_weights(cfg, 2)
+        assert publisher.publish(w2.items(), 2).receivers == 1
+        received(sub, 1)
+        assert sub.update(engine) == 2 and sub.source == "broadcast"
+        assert_same(state_of(engine), w2)
+        assert sub.update(engine) is None and engine.loads == 2  # v2 is not read from the file
+        sub.close()
+        assert engine.calls[-1] == "leave" and engine.receiver is None
+    finally:
+        sub.close()
         publisher.close()
 
 
