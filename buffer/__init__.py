@@ -37,11 +37,14 @@ def make_buffer(
     seed: int | None = 0,
     metrics: BufferMetrics | None = None,
     reset: bool = False,
+    samples_per_insert: float | None = None,
 ) -> ReplayBuffer:
     """The buffer a ``BufferConfig`` describes, for run ``run`` (``reset``: start it empty,
-    whatever a previous run of the same id left in Redis)."""
+    whatever a previous run of the same id left in Redis; ``samples_per_insert``: the run's K,
+    ``RunConfig.samples_per_insert``, when the section leaves it unset)."""
+    spi = cfg.samples_per_insert if cfg.samples_per_insert is not None else samples_per_insert
     common: dict[str, Any] = {
-        "samples_per_insert": cfg.samples_per_insert,
+        "samples_per_insert": spi,
         "rate_slack": cfg.rate_slack,
         "min_size_to_sample": cfg.min_size_to_sample,
         "max_staleness": cfg.max_staleness,

@@ -139,6 +139,7 @@ class LearnerService:
             cfg.name,
             seed=cfg.seed * 7919 + self.rank,
             metrics=BufferMetrics(self.metrics.registry) if self.rank == 0 else None,
+            samples_per_insert=cfg.samples_per_insert,
         )
         self.source = BatchSource.from_config(self.ring, cfg)
         self.client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)

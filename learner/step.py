@@ -107,7 +107,7 @@ class UpdateStep:
         self.applied = LiveHParams(
             beta=cfg.algo.beta,
             lr=cfg.learner.lr,
-            samples_per_insert=cfg.buffer.samples_per_insert,
+            samples_per_insert=cfg.samples_per_insert,
             ref_reset_steps=cfg.learner.ref_reset_steps,
             max_staleness=cfg.buffer.max_staleness,
         )

@@ -68,7 +68,10 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
     )
     metrics = TrainMetrics()
     # A fresh run: a Redis run of the same name starts empty.
-    buffer = make_buffer(cfg.buffer, cfg.name, cfg.seed, BufferMetrics(metrics.registry), True)
+    buffer = make_buffer(
+        cfg.buffer, cfg.name, cfg.seed, BufferMetrics(metrics.registry), True,
+        samples_per_insert=cfg.samples_per_insert,
+    )  # fmt: skip
     source = BatchSource.from_config(buffer, cfg)
     step = UpdateStep(learner, cfg, buffer, UpdateMetrics(metrics.registry))
     if cfg.metrics.prometheus_port is not None:

@@ -102,7 +102,10 @@ def test_resolved_dump_round_trips(tmp_path: Path):
     data = json.loads((tmp_path / "config.json").read_text())
     assert data["learner"]["rounds"] == 3
     assert "micro_batch_size" in data["learner"]  # defaults are written out too
-    assert RunConfig.model_validate(data) == cfg
+    loaded = RunConfig.model_validate(data)
+    assert loaded.model_dump(mode="json") == data  # the resolved config reloads as written
+    assert loaded.samples_per_insert == cfg.samples_per_insert  # (derived values written out)
+    assert loaded.model_copy(update={"buffer": cfg.buffer}) == cfg
 
 
 def test_config_module_imports_without_torch():
@@ -112,3 +115,23 @@ def test_config_module_imports_without_torch():
     code = "import sys, reval.config, buffer.records, reval.rewards; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_samples_per_insert_follows_the_schedule_unless_set(tmp_path):
+    import json
+
+    from reval.config import dump_config
+
+    cfg = load_config(overrides=["learner.updates_per_round=4", "learner.batch_size=64",
+                                 "rollout.prompts_per_round=16", "rollout.n=8"], environ={})  # fmt: skip
+    assert cfg.buffer.samples_per_insert is None and cfg.samples_per_insert == 4 * 64 / 128
+    # A study's copy with another K follows (nothing was baked in at validation).
+    other = cfg.model_copy(deep=True)
+    other.learner.updates_per_round = 8
+    assert other.samples_per_insert == 4.0
+    dump_config(other, tmp_path / "c.json")
+    assert json.loads((tmp_path / "c.json").read_text())["buffer"]["samples_per_insert"] == 4.0
+    grpo = load_config(overrides=["algo.name=grpo", "learner.updates_per_round=1"], environ={})
+    assert grpo.samples_per_insert == 1.0
+    fixed = load_config(overrides=["buffer.samples_per_insert=3"], environ={})
+    assert fixed.samples_per_insert == 3.0
