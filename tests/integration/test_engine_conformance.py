@@ -28,8 +28,9 @@ import torch
 from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
 
 from reval.broadcast import BroadcastHub
-from reval.config import TinyModelConfig
+from reval.config import TinyModelConfig, load_config
 from reval.policy import build_char_tokenizer, build_tiny_model
+from reval.weight_sync import build_publisher, build_subscriber
 from rollout.engines import GenerationEngine, HFEngine, Sample, SamplingParams, top_p_filter
 from rollout.vllm_engine import VLLMEngine
 
@@ -401,3 +402,59 @@ def test_update_weights_from_an_nccl_hub(
         vllm_engine.leave_broadcast()
         hub.kill()
         vllm_engine.load_weights(base.named_parameters(), version=0)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_the_subscriber_feeds_vllm_from_files_and_the_hub(
+    vllm_engine: VLLMEngine,
+    checkpoint: tuple[Path, Qwen2ForCausalLM],
+    tokenizer: PreTrainedTokenizerBase,
+    tmp_path: Path,
+    redis_url: str,
+    redis_prefix: str,
+) -> None:
+    """The rollout worker's one weight source with a real vLLM engine: the announced file is
+    read by the vLLM worker, then the subscriber joins the announced hub *through the engine*
+    (the receiver runs inside the vLLM worker, none in this process) and the next version
+    arrives by broadcast, each matching the HF reference of the weights sent."""
+    import redis
+
+    cfg = load_config(
+        overrides=[
+            "buffer.backend=redis",
+            f"buffer.redis_url={redis_url}",
+            f"buffer.key_prefix={redis_prefix}",
+            f"output_dir={tmp_path}",
+            "name=vllm-sub",
+            "sync.broadcast=true",
+            "sync.timeout_s=30",
+            "sync.bucket_mb=0.25",
+        ],
+        environ={},
+    )
+    client = redis.Redis.from_url(redis_url)
+    publisher = build_publisher(cfg, client, "cpu")
+    sub = build_subscriber(cfg, client, "vllm-worker")
+    base = checkpoint[1]
+    prompts = encode(tokenizer, SHORT)
+    params = SamplingParams(n=2, max_new_tokens=16)
+    try:
+        v1, v2 = perturbed_copy(base, seed=3), perturbed_copy(base, seed=4)
+        publisher.publish(v1.state_dict().items(), 1)
+        assert sub.update(vllm_engine) == 1 and sub.source == "file"
+        assert sub._receiver is None and sub.joined_broadcast and sub.backend == "gloo"
+        assert_matches_reference(v1, prompts, vllm_engine.generate(prompts, params, 1), 1.0, 1.0)
+        assert publisher.hub is not None
+        wait_until(lambda: int(publisher.hub.store.add("tickets", 0)) == 1, 60, "never joined")  # type: ignore[union-attr]
+        assert publisher.publish(v2.state_dict().items(), 2).receivers == 1
+        wait_until(lambda: sub.received == 1, 60, "the broadcast never arrived")
+        assert sub.update(vllm_engine) == 2 and sub.source == "broadcast"
+        assert vllm_engine.policy_version == 2
+        assert_matches_reference(v2, prompts, vllm_engine.generate(prompts, params, 1), 1.0, 1.0)
+        assert sub.update(vllm_engine) is None  # the announced file of v2: not loaded again
+    finally:
+        sub.close()
+        publisher.close()
+        vllm_engine.load_weights(base.named_parameters(), version=0)
+    assert vllm_engine.broadcast_backend is None
