@@ -268,7 +268,10 @@ class SyncConfig(_Section):
     that joined the learner's hub: faster than the shared directory, which stays the fallback
     and what newcomers read first."""
     broadcast_host: str = "127.0.0.1"
-    """Address the workers reach the learner's hub at (the learner listens on all interfaces)."""
+    """Address the workers reach the learner's hub at (the learner listens on all interfaces;
+    announced in Redis). ``auto``: the learner's own address as other hosts see it (its Ray
+    node's IP under Ray, else its host name resolved, as torch.distributed does): for workers in
+    other containers or on other nodes (docker-compose.yml, deploy/k8s)."""
     broadcast_port: int = Field(0, ge=0, le=65535)
     """Port of the hub (0: any free port; it is announced in Redis)."""
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -226,7 +227,27 @@ def build_publisher(
             device=device if backend == "nccl" else "cpu",
         )
         log.info("broadcast hub (%s) on port %d", backend, hub.port)
-    return WeightPublisher(_store(cfg, client), hub, cfg.sync.broadcast_host)
+    host = cfg.sync.broadcast_host
+    return WeightPublisher(_store(cfg, client), hub, discover_host() if host == "auto" else host)
+
+
+def discover_host() -> str:
+    """This process's address as other hosts reach it (``sync.broadcast_host = "auto"``): the
+    Ray node's IP inside a Ray worker (``reval launch``), else the fully qualified host name
+    resolved to an address, as torch.distributed's elastic agent names its hosts (a container's
+    or a pod's name resolves to its own address); the name itself if it does not resolve."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    name = socket.getfqdn()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
 
 
 # -- a worker's side -----------------------------------------------------------------------------

@@ -386,3 +386,31 @@ def test_the_worker_uses_only_the_subscriber():
     assert not names & forbidden
     assert not any(word in source for word in forbidden)
     assert "build_subscriber" in names and "update" in names
+
+
+def test_an_auto_broadcast_host_announces_the_learners_own_address(
+    tmp_path, redis_url, redis_prefix, monkeypatch
+):
+    """``sync.broadcast_host = "auto"``: the hub is announced at the address other hosts reach
+    the learner at (its host name resolved), not at the loopback address."""
+    import reval.weight_sync as ws
+
+    monkeypatch.setattr(ws.socket, "getfqdn", lambda: "learner-0.reval.svc")
+    monkeypatch.setattr(
+        ws.socket, "gethostbyname", lambda name: {"learner-0.reval.svc": "10.4.0.7"}[name]
+    )
+    client = redis.Redis.from_url(redis_url)
+    cfg = config(
+        tmp_path, redis_url, redis_prefix, "sync.broadcast=true", "sync.broadcast_host=auto"
+    )
+    publisher = build_publisher(cfg, client, "cpu")
+    try:
+        assert publisher.hub is not None
+        assert publisher.address == f"gloo://10.4.0.7:{publisher.hub.port}"
+        publisher.publish(learner_weights(cfg, 1).items(), 1)  # (no member: nothing is sent)
+        ann = publisher.store.latest()
+        assert ann is not None and ann.broadcast == publisher.address
+    finally:
+        publisher.close()
+    monkeypatch.setattr(ws.socket, "gethostbyname", lambda name: (_ for _ in ()).throw(OSError()))
+    assert ws.discover_host() == "learner-0.reval.svc"  # a name that does not resolve: as is
