@@ -49,6 +49,7 @@ checked by ``tests/integration/test_engine_conformance.py`` on the CPU:
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -76,6 +77,8 @@ CPU_KV_CACHE_BYTES = 1 << 30
 RAM (of one NUMA node), which fails whenever other processes hold memory."""
 GPU_MEMORY_UTILIZATION = 0.85
 """Default share of GPU memory on CUDA."""
+CPU_THREADS_BIND = "nobind"
+"""``VLLM_CPU_OMP_THREADS_BIND`` unless set: the OS schedules the engine's threads."""
 
 
 def check_vllm_version(version: str) -> None:
@@ -171,6 +174,11 @@ class VLLMEngine:
                 raise ValueError(f"VLLMEngine sets {key}={ours!r} itself")
         self.device = torch.device(str(current_platform.device_type))
         on_cpu = self.device.type == "cpu"
+        if on_cpu:
+            # vLLM's "auto" binding pins every CPU engine of a host to the same core (the first
+            # of NUMA node 0): a second engine there starved, its receiver missed the hub's
+            # timeout. Set VLLM_CPU_OMP_THREADS_BIND (e.g. "2-5") to give an engine its cores.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", CPU_THREADS_BIND)
         args: dict[str, Any] = {
             "model": model,
             "seed": seed,
@@ -204,6 +212,8 @@ class VLLMEngine:
         self.policy_version = 0
         self.broadcast_backend: str | None = None
         """The backend the workers receive broadcasts with (None: not joined)."""
+        self.checkpoint_dir: Any = None
+        """Whatever must live as long as the engine (a temporary checkpoint it started from)."""
 
     # -- generation --------------------------------------------------------------------------
 
@@ -356,6 +366,9 @@ class VLLMEngine:
         if engine_core is not None:
             engine_core.shutdown()
         self.llm = None
+        cleanup = getattr(self.checkpoint_dir, "cleanup", None)
+        if cleanup is not None:
+            cleanup()
 
 
 class RevalWorkerExtension:

