@@ -1,4 +1,5 @@
-"""What a vLLM rollout worker starts from when the run has no checkpoint (``model.name_or_path``
+"""The vLLM worker's set-up that needs no vLLM: the release gate, the engine seed per worker,
+and what a vLLM rollout worker starts from when the run has no checkpoint (``model.name_or_path``
 unset): the tiny model saved as one, and the character tokenizer saved apart from it so that it
 reloads as itself. (The engine itself runs in the vLLM lane: tests marked ``vllm``.)"""
 
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer
 
 from reval.config import load_config
 from reval.policy import build_char_tokenizer
+from rollout.vllm_engine import check_vllm_version
 from rollout.worker import engine_seed, tiny_checkpoint
 
 TEXTS = ["Code? ", " a b ", "3+4=", "What is 12 + 30?\n"]
@@ -46,3 +48,14 @@ def test_each_worker_samples_from_its_own_stream() -> None:
     seeds = {engine_seed(0, f"w{i}") for i in range(100)}
     assert len(seeds) == 100 and all(0 <= s < 2**31 for s in seeds)
     assert engine_seed(0, "w0") == engine_seed(0, "w0") != engine_seed(1, "w0")
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.32.1+cpu"])
+def test_the_supported_release_line_passes_the_gate(version: str) -> None:
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.10.2", "0.31.0", "0.33.0", "1.32.0", "dev"])
+def test_other_vllm_releases_are_refused_clearly(version: str) -> None:
+    with pytest.raises(ImportError, match=r"not supported: reval runs on the vLLM 0\.32 release"):
+        check_vllm_version(version)
