@@ -7,8 +7,11 @@ with a character-level tokenizer that the project builds itself (no download any
 
 from __future__ import annotations
 
+import contextlib
+import json
 import string
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -96,6 +99,23 @@ class Policy:
         return int(self.tokenizer.eos_token_id)  # type: ignore[arg-type]
 
 
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""``tokenizer_class`` of a tokenizer saved from a ``tokenizers`` object (the project's own char
+tokenizer): it loads as written. ``AutoTokenizer`` would pick the class of the model's type
+(``Qwen2Tokenizer`` beside a Qwen2 config), whose own pre-tokenizer drops spaces."""
+
+
+def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    config = Path(path) / "tokenizer_config.json"
+    if config.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            if json.loads(config.read_text()).get("tokenizer_class") in _GENERIC_TOKENIZERS:
+                fast = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
+                return fast
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, padding_side="left")
+    return tokenizer
+
+
 def load_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
     """Build or load the policy model and its tokenizer on the configured device."""
     device = resolve_device(cfg.device)
@@ -111,7 +131,7 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
         )
         model = model.to(dtype=dtype)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, padding_side="left")
+        tokenizer = _load_tokenizer(cfg.name_or_path)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=dtype)

@@ -122,8 +122,9 @@ def test_samples_per_insert_follows_the_schedule_unless_set(tmp_path):
 
     from reval.config import dump_config
 
-    cfg = load_config(overrides=["learner.updates_per_round=4", "learner.batch_size=64",
-                                 "rollout.prompts_per_round=16", "rollout.n=8"], environ={})  # fmt: skip
+    sets = ["learner.updates_per_round=4", "learner.batch_size=64", "rollout.prompts_per_round=16",
+            "rollout.n=8"]  # fmt: skip
+    cfg = load_config(overrides=sets, environ={})
     assert cfg.buffer.samples_per_insert is None and cfg.samples_per_insert == 4 * 64 / 128
     # A study's copy with another K follows (nothing was baked in at validation).
     other = cfg.model_copy(deep=True)
