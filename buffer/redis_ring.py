@@ -760,8 +760,9 @@ class RedisRing:
         uses = np.frombuffer(use_raw or b"", dtype=">u4")
         floor = None if self.max_staleness is None else version - self.max_staleness
         runs: list[FreshRun] = []
-        found: dict[int, tuple[Trajectory, Any]] = {}
+        found: dict[int, Trajectory] = {}
         unused_total = 0
+        picked = None
         for first, end in reversed(chunks):
             lo = max(first, tail)
             slots = np.arange(lo, end) % cap
@@ -771,27 +772,27 @@ class RedisRing:
             ]  # fmt: skip
             if not unused:
                 continue
-            order, tail_now, blobs, refs, _ = self._read(unused, False)
+            order, _, blobs, refs, _ = self._read(unused, False)
             good, bad = decode_many([b for b in blobs if b is not None], self.max_record_bytes)
             if bad:
                 return f"malformed records among the fresh ones of chunk {first}"
             it = iter(good)
-            by_pos: dict[int, Trajectory] = {}
             for pos, b, ref in zip(order, blobs, refs, strict=True):
                 if b is not None:
-                    t = next(it)
+                    found[pos] = t = next(it)
                     _apply_ref(t, ref)
-                    by_pos[pos] = t
-                    found[pos] = (t, ref)
             positions = list(range(lo, end))
-            held = [by_pos.get(p) for p in positions]
+            held = [found.get(p) for p in positions]
             usable = [t is not None and (floor is None or t.policy_version >= floor) for t in held]
             gids = [t.group_id if t is not None else "" for t in held]
             runs.append(FreshRun(positions, gids, usable, truncated=first < tail))
             unused_total += sum(usable)
-            if unused_total >= batch_size and pick_fresh(runs, batch_size, whole_groups):
-                break
-        picked = pick_fresh(runs, batch_size, whole_groups)
+            if unused_total >= batch_size:
+                picked = pick_fresh(runs, batch_size, whole_groups)
+                if picked is not None:
+                    break
+        if picked is None and whole_groups:  # (short batches of uneven groups)
+            picked = pick_fresh(runs, batch_size, whole_groups)
         if picked is None:
             what = "in whole groups " if whole_groups else ""
             return f"fewer than {batch_size} fresh trajectories {what}in {head - tail} held"
@@ -812,7 +813,7 @@ class RedisRing:
                 ]
             )
             return f"{len(gone)} fresh trajectories were evicted while being taken"
-        trajs = [found[p][0] for p in picked]
+        trajs = [found[p] for p in picked]
         for t in trajs:
             t.use_count = 1
         self._remember([t.traj_id for t in trajs], picked)

@@ -3,7 +3,7 @@
 updates, reference version, ...). A sharded learner saves and loads its shards in parallel; a
 one-process run (``reval train``) writes the same layout without a process group.
 
-``{run_dir}/checkpoints/step-XXXXXXXX/`` with ``latest`` naming the newest. A consolidated
+``{run_dir}/checkpoints/step-{step:08d}/`` with ``latest`` naming the newest. A consolidated
 Hugging Face checkpoint (what ``from_pretrained`` and vLLM load) is an export, not a checkpoint.
 """
 

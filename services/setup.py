@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
 import torch
 
@@ -65,7 +65,7 @@ def exact_success(task: Task, policy: Policy) -> Callable[[], float] | None:
     return exact
 
 
-def initial_dir(cfg: RunConfig) -> Any:
+def initial_dir(cfg: RunConfig) -> Path:
     return cfg.run_dir / "initial"
 
 
