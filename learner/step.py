@@ -103,7 +103,6 @@ class UpdateStep:
         self.reduce = reduce
         self.gather = gather
         self.counts = StepCounts()
-        self.ref_reset_steps = cfg.learner.ref_reset_steps
         self.applied = LiveHParams(
             beta=cfg.algo.beta,
             lr=cfg.learner.lr,
@@ -118,7 +117,7 @@ class UpdateStep:
     @property
     def reset_every(self) -> int:
         """Updates between reference resets (0: never)."""
-        return self.ref_reset_steps * self.cfg.learner.updates_per_round
+        return (self.applied.ref_reset_steps or 0) * self.cfg.learner.updates_per_round
 
     def __call__(
         self,
@@ -143,6 +142,8 @@ class UpdateStep:
         self, share: Sequence[Trajectory], deltas: list[float], batch: SampledBatch | None
     ) -> None:
         """The cached reference quantities (and priorities) of the whole batch, by rank 0."""
+        if not (self.learner.uses_reference or self.cfg.buffer.prioritized):
+            return  # (GRPO: nothing to write back, no gather)
         mine = [
             (t.traj_id, t.ref_version, t.ref_logprob_sum, t.ref_value, d)
             for t, d in zip(share, deltas, strict=True)
@@ -242,8 +243,6 @@ class UpdateStep:
         if changes.lr is not None:
             for group in self.learner.optimizer.param_groups:
                 group["lr"] = float(changes.lr)
-        if changes.ref_reset_steps is not None:
-            self.ref_reset_steps = int(changes.ref_reset_steps)
         if self.buffer is not None:
             if changes.samples_per_insert is not None:
                 self.buffer.samples_per_insert = float(changes.samples_per_insert)  # type: ignore[attr-defined]
