@@ -22,9 +22,12 @@ from tests.conftest import make_traj
 
 
 def _cfg(dtype: str):
+    ckpt = dtype == "bfloat16"  # (and FSDP2 with non-reentrant activation checkpointing)
     return load_config(
-        overrides=["model.device=cpu", f"model.dtype={dtype}", "learner.lr=1e-6"], environ={}
-    )
+        overrides=["model.device=cpu", f"model.dtype={dtype}", "learner.lr=1e-6",
+                   f"model.gradient_checkpointing={str(ckpt).lower()}"],
+        environ={},
+    )  # fmt: skip
 
 
 def _rank(rank: int, world: int, port: int, dtype: str, out: str) -> None:
@@ -53,6 +56,7 @@ def _rank(rank: int, world: int, port: int, dtype: str, out: str) -> None:
         facts["ref_dtypes"] = sorted({str(p.dtype) for p in ref.parameters()})
         facts["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
         facts["ref_sharded"] = all(isinstance(p, DTensor) for p in ref.parameters())
+        facts["ckpt"] = bool(getattr(model.model, "gradient_checkpointing", False))
         facts["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
         facts["ref_frozen"] = not any(p.requires_grad for p in ref.parameters())
         facts["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
@@ -96,6 +100,7 @@ def test_two_ranks_start_sharded_from_rank0(dtype):
     assert facts["sum"] == 2.0  # 0.5 + 1.5: a float64 CPU all-reduce on the group
     assert facts["object"] == {"from": 0}
     assert facts["sharded"] and facts["ref_sharded"] and facts["ref_frozen"]
+    assert facts["ckpt"] == (dtype == "bfloat16")  # on every rank (rank 0 saves its own)
     assert facts["tied"]  # the tied LM head survives the meta build
     assert facts["policy_dtypes"] == ["torch.float32"]  # fp32 masters whatever model.dtype is
     assert facts["ref_dtypes"] == [str(getattr(torch, dtype))]  # the reference: compute dtype

@@ -90,7 +90,7 @@ def test_micro_batches_never_exceed_the_token_budget():
         plain = micro_batches(sizes, len(parts[0]), None)
         assert len(parts) <= 2 * len(plain)
     assert micro_batches(sizes[:5], 2) == [[0, 1], [2, 3], [4]]  # no budget: order kept
-    with pytest.raises(ValueError, match="exceeds learner.max_tokens_per_micro_batch=100"):
+    with pytest.raises(ValueError, match=r"exceeds learner\.max_tokens_per_micro_batch=100"):
         micro_batches([(60, 50)], 4, 100)
 
 
@@ -213,6 +213,19 @@ def test_bf16_compute_moves_fp32_masters_at_lr_1e6_like_fp32():
     assert float(((d16 - d32).abs() <= 1e-7).float().mean()) > 0.9
     g32, g16 = grads[torch.float32], grads[torch.bfloat16]
     assert float((g16 - g32).norm() / g32.norm()) < 0.05  # bf16 compute error (about 1%)
+
+
+def test_gradient_checkpointing_is_asked_non_reentrant():
+    """Explicitly: transformers 4.x defaults to the reentrant variant (5.x no longer does)."""
+    from reval.policy import enable_checkpointing
+
+    class Model:
+        def gradient_checkpointing_enable(self, **kw):
+            self.kw = kw
+
+    model = Model()
+    enable_checkpointing(model)  # type: ignore[arg-type]
+    assert model.kw == {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
 
 
 def test_gradient_checkpointing_is_non_reentrant():
