@@ -164,7 +164,8 @@ def _peak_kb(mode: str) -> int:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # Large blocks through mmap (returned to the system when freed), so that the peak RSS is
     # the peak of live memory rather than of glibc's heap, which keeps what it once held.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root,
+    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path,
            "MALLOC_MMAP_THRESHOLD_": "65536"}  # fmt: skip
     res = subprocess.run([sys.executable, "-c", _PEAK, mode], env=env, capture_output=True,
                          text=True, check=True, timeout=300)  # fmt: skip
