@@ -293,7 +293,9 @@ class LearnerService:
 
     def publish(self) -> None:
         t0 = time.perf_counter()
-        sd = self.full_state()
+        # The generators hold the compute dtype: publish in it (half the bytes of the masters).
+        dtype = compute_dtype(self.cfg.model)
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.full_state().items()}
         if self.publisher is not None:
             version = self.learner.step
             done = self.publisher.publish(sd.items(), version)
