@@ -137,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     from services.ablations import add_parser as add_ablate
 
     add_ablate(sub)
+    from services.compose import add_parser as add_compose
+
+    add_compose(sub)
     return p
 
 
@@ -294,6 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.ablations import main as ablate_main
 
         return ablate_main(args)
+    if args.command == "compose":
+        from services.compose import main as compose_main
+
+        return compose_main(args)
     algo = getattr(args, "algo", None)
     overrides = list(ALGO_OVERRIDES.get(algo, [])) + list(args.overrides)
     if getattr(args, "engine", None):

@@ -13,9 +13,7 @@ import pytest
 from reval.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESETS = sorted(
-    p for p in (ROOT / "configs").glob("*.toml") if 'device = "cuda"' in p.read_text()
-)
+PRESETS = sorted(p for p in (ROOT / "configs").glob("*.toml") if 'device = "cuda"' in p.read_text())
 NODE_GPUS = 8  # the paper's scale: one 8-GPU node (docs/reproduce-paper.md)
 
 
