@@ -56,7 +56,8 @@ def _rank(rank: int, world: int, port: int, dtype: str, out: str) -> None:
         facts["ref_dtypes"] = sorted({str(p.dtype) for p in ref.parameters()})
         facts["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
         facts["ref_sharded"] = all(isinstance(p, DTensor) for p in ref.parameters())
-        facts["ckpt"] = bool(getattr(model.model, "gradient_checkpointing", False))
+        ckpt = bool(getattr(model.model, "gradient_checkpointing", False))
+        facts["ckpt"] = reduce_scalar(float(ckpt), "sum")  # ranks with checkpointing on
         facts["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
         facts["ref_frozen"] = not any(p.requires_grad for p in ref.parameters())
         facts["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
@@ -100,7 +101,7 @@ def test_two_ranks_start_sharded_from_rank0(dtype):
     assert facts["sum"] == 2.0  # 0.5 + 1.5: a float64 CPU all-reduce on the group
     assert facts["object"] == {"from": 0}
     assert facts["sharded"] and facts["ref_sharded"] and facts["ref_frozen"]
-    assert facts["ckpt"] == (dtype == "bfloat16")  # on every rank (rank 0 saves its own)
+    assert facts["ckpt"] == (2.0 if dtype == "bfloat16" else 0.0)  # meta-built rank 1 too
     assert facts["tied"]  # the tied LM head survives the meta build
     assert facts["policy_dtypes"] == ["torch.float32"]  # fp32 masters whatever model.dtype is
     assert facts["ref_dtypes"] == [str(getattr(torch, dtype))]  # the reference: compute dtype
