@@ -48,7 +48,7 @@ from buffer import make_buffer
 from buffer.base import SampledBatch, SampleTimeout
 from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
-from buffer.records import Trajectory
+from buffer.records import RecordLimits, Trajectory
 from learner.batches import BatchSource, split_shares
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.export import export_hf
@@ -134,16 +134,17 @@ class LearnerService:
         self.export_now = threading.Event()
         """Set (SIGUSR1, ``reval launch --export``): export an HF checkpoint before the next
         update, into ``run_dir/exports/step-N``."""
+        self.tokenizer, self.model, self.reference_model = self._build_models()
         self.ring = make_buffer(
             cfg.buffer,
             cfg.name,
             seed=cfg.seed * 7919 + self.rank,
             metrics=BufferMetrics(self.metrics.registry) if self.rank == 0 else None,
             samples_per_insert=cfg.samples_per_insert,
+            limits=RecordLimits(self.vocab_size, cfg.buffer.reward_bound),
         )
         self.source = BatchSource.from_config(self.ring, cfg)
         self.client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
-        self.tokenizer, self.model, self.reference_model = self._build_models()
         world = self.world
         self.learner = Learner(
             self.model,
@@ -188,6 +189,9 @@ class LearnerService:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         policy = load_policy(cfg.model.model_copy(update={"device": "cpu"}), cfg.seed)
+        # Token ids index the embedding (and the logits' last dimension): a record with an id
+        # past it would raise inside the update, so the ring quarantines it on read.
+        self.vocab_size = int(policy.model.get_input_embeddings().num_embeddings)
         for t in list(policy.model.parameters()) + list(policy.model.buffers()):
             dist.broadcast(t.data, src=0)
         model = policy.model.to(self.device)

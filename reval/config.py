@@ -186,6 +186,11 @@ class BufferConfig(_Section):
     sample_timeout_s: float = Field(60.0, gt=0)
     """The learner waits this long for a batch (rate limiter, too few held, Redis down) before
     it raises."""
+    reward_bound: float = Field(100.0, gt=0)
+    """The learner quarantines (counts, never trains on) a record whose ``|reward|`` or
+    ``|reward_raw|`` exceeds this: the verifiers score 0/1 and every reward transform stays in
+    [-1, 1], while one reward of 1e30 derails every update it is drawn into. Token ids are
+    checked against the model's vocabulary the same way."""
     spool_max_mb: float = Field(256.0, ge=0)
     """``redis``: a producer that cannot reach Redis keeps up to this many MB of encoded records
     locally and flushes them when Redis answers again; beyond it the oldest are dropped (and
