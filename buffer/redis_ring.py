@@ -943,6 +943,17 @@ class RedisRing:
         uses += [0] * len(missing)
         return order, int(res[0] or 0), blobs, refs, uses
 
+    def quarantine(self, traj_ids: Sequence[str], reason: str) -> int:
+        """Quarantine held records by id (ones this client inserted, sampled or listed): a batch
+        the learner could not update on, whatever the checks let through. Emptied and counted in
+        ``rejected`` like a damaged record; returns how many were found."""
+        positions = [p for p in map(self._where.get, traj_ids) if p is not None]
+        log.error("quarantined a batch of %d records: %s", len(positions), reason)
+        self._quarantine(positions)
+        if self.metrics is not None:
+            self.metrics.rejected.inc(len(positions))
+        return len(positions)
+
     def _quarantine(self, positions: Sequence[int]) -> None:
         args: list[Any] = []
         for p in positions:

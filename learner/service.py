@@ -49,6 +49,7 @@ from buffer.base import SampledBatch, SampleTimeout
 from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
 from buffer.records import RecordLimits, Trajectory
+from buffer.redis_ring import RedisRing
 from learner.batches import BatchSource, split_shares
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.export import export_hf
@@ -62,6 +63,10 @@ from reval.policy import load_policy
 from reval.weight_sync import build_publisher
 
 log = logging.getLogger("reval.learner")
+
+MAX_FAILED_BATCHES = 3
+"""Updates in a row that may raise on their batch (each batch quarantined) before the learner
+gives up: beyond that the fault is the learner's, not the data's."""
 
 
 @dataclass
@@ -174,6 +179,8 @@ class LearnerService:
         if self.rank == 0:
             self._register(resume)
         self.paused = False
+        self.failed_in_a_row = 0
+        """Updates in a row that raised on their batch (``_quarantine_batch``)."""
         self.published = False
         self.last_tick = time.monotonic()
         self.last_staleness = 0.0
@@ -418,7 +425,12 @@ class LearnerService:
                 waited_since = 0.0
                 share, weights, batch, wait = got
                 self.metrics.wait_data.inc(wait)
-                record = self.step(share, weights, batch)
+                try:
+                    record = self.step(share, weights, batch)
+                except Exception as err:  # a batch the checks let through
+                    self._quarantine_batch(batch, err)
+                    continue
+                self.failed_in_a_row = 0
                 self.metrics.update_s.inc(record["update_s"])
                 if self.step.counts.updates % cfg.sync.every == 0:
                     self.publish()
@@ -439,6 +451,26 @@ class LearnerService:
         if self.publisher is not None:
             self.publisher.close()
         return self.state
+
+    def _quarantine_batch(self, batch: SampledBatch | None, err: Exception) -> None:
+        """An update that raised on a batch: the batch is quarantined whole (counted in the
+        ring's ``rejected``, logged) and training goes on with the next. Not with several ranks
+        (the others are inside the update's collectives: the process group's timeout ends
+        them), nor after ``MAX_FAILED_BATCHES`` in a row (then the fault is the learner's, not
+        the data's: it raises)."""
+        self.failed_in_a_row += 1
+        if self.world > 1 or self.failed_in_a_row > MAX_FAILED_BATCHES:
+            raise err
+        log.exception("update %d raised on its batch: quarantined", self.step.counts.updates)
+        if batch is not None:
+            ids = batch.traj_ids
+            if isinstance(self.ring, RedisRing):  # (what ``main`` requires)
+                self.ring.quarantine(ids, f"the update raised {type(err).__name__}: {err}")
+            with contextlib.suppress(redis.RedisError):
+                self.control.record(
+                    "batch_quarantined", {"records": len(ids), "error": repr(err)[:500]},
+                    step=self.learner.step,
+                )  # fmt: skip
 
     def _log(self, record: dict[str, Any], wait: float, elapsed: float) -> None:
         if self.rank != 0:
