@@ -621,7 +621,9 @@ def main(
         state = run_rank(cfg, resume, None, export_only=export)
         print(json.dumps(state.__dict__), flush=True)
         return 0
-    world = nproc or cfg.learner.world_size
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    world = nproc if nproc is not None else cfg.learner.world_size
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

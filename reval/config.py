@@ -11,23 +11,62 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "REVAL__"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "demo.toml"
 
 
+MAX_CAPACITY = 100_000_000
+"""Largest ``buffer.capacity``: the Redis ring's per-slot strings (4 bytes a slot) stay far
+below Redis's 512 MB string limit."""
+
+_Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the offending field."""
 
 
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field's type admits a bool (``bool``, ``bool | None``, a Literal of bools)."""
+    if annotation is bool:
+        return True
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_takes_bool(a) for a in get_args(annotation))
+    return False
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    """Every section: unknown keys are errors, floats are finite (no NaN or Infinity, which a
+    JSON or TOML override can spell), and a bool is not a number (lax validation would take
+    ``rounds = true`` as 1)."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if isinstance(value, bool) and name and not _takes_bool(cls.model_fields[name].annotation):
+            raise ValueError(f"a boolean ({value}) where a number or text is expected")
+        return value
 
 
 class TinyModelConfig(_Section):
@@ -148,8 +187,9 @@ class BufferConfig(_Section):
     """``memory``: the embedded in-process ring (one-process runs, nothing survives the process).
     ``redis``: the replay service, shared by every worker and the learner and kept across
     restarts (see docs/buffer.md)."""
-    capacity: int = Field(1280, ge=1)
-    """M: trajectories kept; the oldest is evicted on insert (the paper: 5120)."""
+    capacity: int = Field(1280, ge=1, le=MAX_CAPACITY)
+    """M: trajectories kept; the oldest is evicted on insert (the paper: 5120). At most 10^8:
+    the Redis ring keeps 4 bytes per slot in strings of at most 512 MB."""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """``redis``: where the replay service lives."""
     key_prefix: str = "reval:"
@@ -215,8 +255,8 @@ class LearnerConfig(_Section):
     """AdamW learning rate (the paper: 1e-6)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    adam_betas: tuple[_Beta, _Beta] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global grad norm to this; steps with a non-finite norm are skipped."""
     world_size: int = Field(1, ge=1)
