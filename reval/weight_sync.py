@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import redis
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -44,6 +45,12 @@ from reval.retry import retry_redis
 from reval.weights import unpack_bucket
 
 log = logging.getLogger("reval.weights")
+
+UNREADABLE: tuple[type[BaseException], ...] = (OSError, SafetensorError)
+"""What reading an announced weights file raises when the file is gone or damaged: safetensors
+0.8 raises FileNotFoundError (an OSError) for a missing file, OSError for other I/O faults
+(a stale handle on a shared volume), and SafetensorError (not an OSError, not a RuntimeError)
+for a file cut short; none of these may end a worker."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,8 @@ class WeightStore:
 
     @staticmethod
     def load(announcement: Announcement) -> list[tuple[str, Tensor]]:
-        """The tensors of an announced version (raises FileNotFoundError if it was pruned)."""
+        """The tensors of an announced version (raises one of ``UNREADABLE`` if it was pruned
+        or is damaged)."""
         return list(load_file(str(announcement.path)).items())
 
 
@@ -333,8 +341,10 @@ class WeightSubscriber:
                 load_file(ann.path, ann.version)
             else:
                 engine.load_weights(self.store.load(ann), ann.version)
-        except FileNotFoundError:
-            log.warning("weights v%d were pruned before this worker read them", ann.version)
+        except UNREADABLE as err:
+            # Pruned by the learner, or cut short on a shared volume: the next announcement
+            # has a newer file; the weights in hand stay in use meanwhile.
+            log.warning("weights v%d could not be read (pruned?): %s", ann.version, err)
             return None
         self._loaded(ann.version, "file")
         return ann.version

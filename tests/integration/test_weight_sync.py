@@ -414,3 +414,33 @@ def test_an_auto_broadcast_host_announces_the_learners_own_address(
         publisher.close()
     monkeypatch.setattr(ws.socket, "gethostbyname", lambda name: (_ for _ in ()).throw(OSError()))
     assert ws.discover_host() == "learner-0.reval.svc"  # a name that does not resolve: as is
+
+
+@pytest.mark.parametrize("damage", ["pruned", "cut short", "not safetensors"])
+def test_an_unreadable_announced_file_keeps_the_weights_in_hand(
+    tmp_path, redis_url, redis_prefix, damage
+):
+    """The weights-file race (issue 19): the learner prunes (or a shared volume cuts short) the
+    file a worker is about to read. safetensors raises FileNotFoundError for a missing file but
+    SafetensorError for a damaged one; neither may end the worker."""
+    cfg = config(tmp_path, redis_url, redis_prefix)
+    client = redis.Redis.from_url(redis_url)
+    store = WeightStore(client, redis_prefix, "ws", cfg.run_dir / "weights")
+    engine = hf_engine(cfg, 1)
+    sub = WeightSubscriber(store, "w")
+    w1 = learner_weights(cfg, 1)
+    store.publish(w1.items(), 1)
+    assert sub.update(engine) == 1
+    path = store.publish(learner_weights(cfg, 2).items(), 2)
+    if damage == "pruned":
+        path.unlink()
+    elif damage == "cut short":
+        path.write_bytes(path.read_bytes()[:-64])
+    else:
+        path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    assert sub.update(engine) is None  # before: SafetensorError out of the worker's loop
+    assert sub.version == 1
+    assert_same(state_of(engine), w1)
+    store.publish(learner_weights(cfg, 3).items(), 3)
+    assert sub.update(engine) == 3  # the next announcement is read as usual
+    sub.close()
