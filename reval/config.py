@@ -593,7 +593,12 @@ class ApiConfig(BaseModel):
     key_prefix: str = "reval:"
     """Key prefix of the runs this API manages (their ``buffer.key_prefix``)."""
     output_dir: str = "runs"
-    """Run directories of the runs it starts."""
+    """Run directories of the runs it starts. A POSTed config's ``output_dir`` and
+    ``sync.weights_dir`` must lie under it (a run writes, and resumes by unpickling, there)."""
+    models_dir: str | None = None
+    """Local model checkpoints and datasets a POSTed config may name (``model.name_or_path``,
+    ``task.dataset``): directories and files under this; anything else must be a hub id
+    (``NAME`` or ``ORG/NAME``). None: hub ids only."""
     token_env: str = "REVAL_API_TOKEN"
     """Environment variable holding the bearer token of mutating requests."""
     dev: bool = False

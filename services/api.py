@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from pydantic import BaseModel, ConfigDict, Field
 
 from reval import registry
-from reval.config import ApiConfig, BufferConfig, ConfigError, build_config
+from reval.config import ApiConfig, BufferConfig, ConfigError, RunConfig, build_config
 from reval.control import LiveHParams, RunControl, runs_key
 
 log = logging.getLogger("reval.api")
@@ -125,6 +125,46 @@ class Health(BaseModel):
 
 
 # -- the app ----------------------------------------------------------------------------------
+
+
+def _under(path: str | Path, root: str | Path) -> bool:
+    """Whether ``path`` is ``root`` or lies below it, symbolic links and ``..`` resolved (as
+    the run, started from this process's directory, would resolve them)."""
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def _hub_id(name: str) -> bool:
+    """``NAME`` or ``ORG/NAME`` that is not also a path here (``from_pretrained`` prefers a
+    local directory of that name)."""
+    return (
+        not name.startswith(("/", ".", "~", "\\"))
+        and name.count("/") <= 1
+        and not os.path.lexists(name)
+    )
+
+
+def _confine(run: RunConfig, api: ApiConfig) -> None:
+    """A POSTed config writes only under the API's ``output_dir`` and reads local models and
+    datasets only under its ``models_dir``; a 422 naming the field otherwise."""
+    problems: list[tuple[list[str], str]] = []
+    for loc, value in ((["output_dir"], run.output_dir), (["sync", "weights_dir"],
+                                                          run.sync.weights_dir)):  # fmt: skip
+        if value is not None and not _under(value, api.output_dir):
+            problems.append((loc, f"must lie under the API's output_dir {api.output_dir!r}"))
+    for loc, value in ((["model", "name_or_path"], run.model.name_or_path),
+                       (["task", "dataset"], run.task.dataset)):  # fmt: skip
+        if value is None or _hub_id(value):
+            continue
+        if api.models_dir is None:
+            problems.append((loc, "must be a hub id (ORG/NAME): this API has no models_dir "
+                             "for local paths"))  # fmt: skip
+        elif not _under(value, api.models_dir):
+            problems.append((loc, "must be a hub id (ORG/NAME) or a path under the API's "
+                             f"models_dir {api.models_dir!r}"))  # fmt: skip
+    if problems:
+        raise HTTPException(422, [{"loc": ["body", "config", *loc], "msg": msg,
+                                   "type": "value_error"} for loc, msg in problems])  # fmt: skip
 
 
 class _BodyLimit:
@@ -430,6 +470,7 @@ def create_app(
         except ConfigError as err:
             raise HTTPException(422, [{"loc": ["body", "config"], "msg": str(err),
                                        "type": "value_error"}]) from None  # fmt: skip
+        _confine(run_cfg, cfg)
         name = run_cfg.name
         old = store.get(name)
         if old is not None and info(name, old).phase not in (*FINISHED, "registered"):

@@ -270,3 +270,47 @@ def test_start_again_resumes_and_recreate_is_refused(api_cfg, monkeypatch, tmp_p
     got = c.get("/v1/runs/again").json()
     assert got["phase"] == "starting" and got["step"] is None  # the old final status is gone
     assert c.post("/v1/runs/again/start", headers=AUTH).status_code == 409  # not twice
+
+
+# -- issue 19: API-created runs stay in their directories -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "loc"),
+    [
+        ({"output_dir": "../../../tmp/x"}, ["output_dir"]),
+        ({"output_dir": "/tmp"}, ["output_dir"]),
+        ({"sync": {"weights_dir": "/tmp/w"}}, ["sync", "weights_dir"]),
+        ({"model": {"name_or_path": "/etc"}}, ["model", "name_or_path"]),
+        ({"model": {"name_or_path": "./somewhere/else"}}, ["model", "name_or_path"]),
+        ({"task": {"kind": "math", "dataset": "/data/x.jsonl"}}, ["task", "dataset"]),
+    ],
+)
+def test_a_posted_config_cannot_reach_outside_the_apis_directories(client, api_cfg, config, loc):
+    r = client.post(
+        "/v1/runs", json={"config": {**small(), **config}, "start": False}, headers=AUTH
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["body", "config", *loc]
+    assert client.get("/v1/runs/r1").status_code == 404  # nothing registered
+
+
+def test_paths_inside_the_apis_directories_are_fine(api_cfg, monkeypatch, tmp_path):
+    models = tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    monkeypatch.setenv(api_cfg.token_env, TOKEN)
+    c = TestClient(create_app(api_cfg.model_copy(update={"models_dir": str(models)})))
+    config = {
+        **small(),
+        "output_dir": str(tmp_path / "sub"),
+        "sync": {"weights_dir": str(tmp_path / "sub" / "w")},
+        "model": {"name_or_path": str(models / "m")},
+    }
+    r = c.post("/v1/runs", json={"config": config, "start": False}, headers=AUTH)
+    assert r.status_code == 201, r.text
+    hub = {**small("r2"), "model": {"name_or_path": "Qwen/Qwen2.5-Math-7B"}}
+    r = c.post("/v1/runs", json={"config": hub, "start": False}, headers=AUTH)
+    assert r.status_code == 201, r.text
+    outside = {**small("r3"), "model": {"name_or_path": str(tmp_path / "models-evil")}}
+    r = c.post("/v1/runs", json={"config": outside, "start": False}, headers=AUTH)
+    assert r.status_code == 422 and "models_dir" in r.text
