@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import datetime as dt
 import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -57,12 +59,19 @@ from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
 from reval import registry
 from reval.config import RunConfig, dump_config
-from reval.control import RunControl, adopt_run
+from reval.control import LeaseHeld, RunControl, RunLease, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import load_policy
 from reval.weight_sync import build_publisher
 
 log = logging.getLogger("reval.learner")
+
+PARENT_GRACE_S = 60.0
+"""A spawned rank whose ``reval learner`` parent died stops at once (SIGTERM: checkpoint and
+stop, as on a Ctrl-C); if it has not ended this many seconds later it exits hard."""
+
+LEASE_HELD_EXIT = 3
+"""Exit status of a spawned rank that found the run's lease held by another learner."""
 
 MAX_FAILED_BATCHES = 3
 """Updates in a row that may raise on their batch (each batch quarantined) before the learner
@@ -178,6 +187,8 @@ class LearnerService:
         self.seen = {"checkpoint": 0, "export": 0}
         if self.rank == 0:
             self._register(resume)
+        self.lease: RunLease | None = None
+        """The run's one-learner lease (rank 0, set by ``run_rank``)."""
         self.paused = False
         self.failed_in_a_row = 0
         """Updates in a row that raised on their batch (``_quarantine_batch``)."""
@@ -397,7 +408,10 @@ class LearnerService:
         try:
             while self.step.counts.updates < total:
                 self.last_tick = time.monotonic()
-                flags = torch.tensor([float(self.stop.is_set()), float(self.export_now.is_set())])
+                lost = self.lease is not None and self.lease.lost.is_set()
+                flags = torch.tensor(
+                    [float(self.stop.is_set()), float(self.export_now.is_set()), float(lost)]
+                )
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any rank's request counts
                 todo = self._control()  # the run's control keys, as rank 0 read them
                 if flags[1].item() or todo["export"]:
@@ -407,6 +421,10 @@ class LearnerService:
                     self.save_checkpoint()
                 if flags[0].item() or todo["stop"]:
                     log.info("stopping: checkpoint at step %d", self.learner.step)
+                    break
+                if flags[2].item():
+                    log.error("the run's lease went to another learner: stopping, no checkpoint")
+                    self.saved_step = self.learner.step  # (that learner writes them now)
                     break
                 if todo["pause"]:
                     self._status("paused")
@@ -445,7 +463,7 @@ class LearnerService:
         if self.saved_step != self.learner.step:  # (not twice for one step)
             self.save_checkpoint()
         finished = self.step.counts.updates >= total
-        if finished:
+        if finished and not (self.lease is not None and self.lease.lost.is_set()):
             self.export_hf(self.run_dir / "final")
         self._status("done" if finished else "stopped")
         if self.publisher is not None:
@@ -522,8 +540,38 @@ _EARLY_STOP: list[threading.Event] = []
 """Set by a signal that arrives before a spawned rank's service exists (``_rank_main``)."""
 
 
+def _follow_parent(parent: int) -> None:
+    """A spawned rank stops when the ``reval learner`` that spawned it dies (a SIGKILL of the
+    parent left its ranks training on as orphans, beside the next learner of the run): on Linux
+    the kernel sends it SIGTERM (``prctl(PR_SET_PDEATHSIG)``); everywhere a watchdog thread sees
+    the parent gone within half a second, sends the same SIGTERM, and exits hard if the rank
+    has not ended ``PARENT_GRACE_S`` later."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+    def watch() -> None:
+        while os.getppid() == parent:  # (checked after prctl: a parent already gone counts)
+            time.sleep(0.5)
+        log.error("the reval learner process %d that spawned this rank is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(PARENT_GRACE_S)
+        log.error("still running %.0f s after the parent died: exiting", PARENT_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="reval-parent-watch", daemon=True).start()
+
+
 def _rank_main(
-    rank: int, world: int, port: int, cfg_json: str, resume: bool, out: str, export: bool
+    rank: int,
+    world: int,
+    port: int,
+    cfg_json: str,
+    resume: bool,
+    out: str,
+    export: bool,
+    parent: int,
 ) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # (its default ends the process) until set
     # A Ctrl-C or SIGTERM while the rank starts (before the service's handlers exist) must not
@@ -532,11 +580,17 @@ def _rank_main(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _s, _f: early.set())
     _EARLY_STOP.append(early)
+    _follow_parent(parent)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
     cfg = RunConfig.model_validate_json(cfg_json)
-    run_rank(cfg, resume, out, export_only=export)
+    try:
+        run_rank(cfg, resume, out, export_only=export)
+    except LeaseHeld as err:
+        if rank == 0:
+            print(f"reval learner: {err}", file=sys.stderr, flush=True)
+        sys.exit(LEASE_HELD_EXIT)
 
 
 def run_rank(
@@ -563,8 +617,11 @@ def run_rank(
     # collective, then two timeouts of acknowledgements, then the new group) while the other
     # ranks wait in the next collective.
     dist.init_process_group(backend, timeout=dt.timedelta(seconds=4 * cfg.sync.timeout_s + 60))
+    lease = None
     try:
+        lease = _take_lease(cfg)
         service = LearnerService(cfg, resume)
+        service.lease = lease
 
         def on_signal(signum: int, _frame: object) -> None:
             log.info("rank %d: signal %d: checkpoint and stop", service.rank, signum)
@@ -600,7 +657,30 @@ def run_rank(
         dist.barrier()  # every rank is done before any tears its process group down
         return state
     finally:
+        if lease is not None:
+            lease.release()
         dist.destroy_process_group()
+
+
+def _take_lease(cfg: RunConfig) -> RunLease | None:
+    """Rank 0 takes the run's one-learner lease (``reval/control.py: RunLease``); every rank
+    learns whether it did, and all raise LeaseHeld (naming the holder) if not. The lease of
+    rank 0, None elsewhere."""
+    verdict: list[Any] = [None]
+    lease = None
+    if dist.get_rank() == 0:
+        client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
+        lease = RunLease(client, cfg.buffer.key_prefix, cfg.name, cfg.learner.lease_s)
+        try:
+            lease.acquire()
+        except LeaseHeld as err:
+            verdict[0] = str(err)
+            lease = None
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise LeaseHeld(verdict[0])
+    return lease
 
 
 def main(
@@ -632,7 +712,8 @@ def main(
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(
-            target=_rank_main, args=(r, world, port, cfg.model_dump_json(), resume, out, export)
+            target=_rank_main,
+            args=(r, world, port, cfg.model_dump_json(), resume, out, export, os.getpid()),
         )
         for r in range(world)
     ]
@@ -650,6 +731,8 @@ def main(
     for p in procs:
         p.join()
     codes = [p.exitcode for p in procs]
+    if LEASE_HELD_EXIT in codes:
+        return 2  # (rank 0 said which learner holds the run)
     if any(codes):
         log.error("learner ranks exited with %s", codes)
         return 1

@@ -263,6 +263,11 @@ class LearnerConfig(_Section):
     """Learner ranks of ``reval learner`` (FSDP2 over all of them: gloo on CPU, NCCL on GPU)."""
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps of ``reval learner`` (default: ``rounds * updates_per_round``)."""
+    lease_s: float = Field(30.0, gt=0, le=3600)
+    """One learner per run: the learner holds a lease in Redis for this long, renewed every third
+    of it. A second learner on the run waits this long for it, then refuses to start, naming the
+    holder; one that died frees the lease after this long (at once when it ran on the same
+    host)."""
     sample_prefetch: int = Field(1, ge=0)
     """``reval learner``: batches sampled ahead while an update runs (0: none)."""
     ref_reset_steps: int = Field(200, ge=0)
