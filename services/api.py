@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from reval import registry
 from reval.config import ApiConfig, BufferConfig, ConfigError, RunConfig, build_config
-from reval.control import LiveHParams, RunControl, runs_key
+from reval.control import LiveHParams, RunControl, lease_key, runs_key
 
 log = logging.getLogger("reval.api")
 
@@ -326,9 +326,14 @@ def create_app(
         child = app.state.children.get(pid)
         if child is not None:
             child.poll()  # reap it when it has exited
-        if entry.get("external"):  # started outside the API: its status is all there is
-            alive = status.get("phase") not in FINISHED
+        if entry.get("external"):  # started outside the API: its status and its lease
+            # The learner holds the run's lease while it lives (renewed every third of
+            # learner.lease_s): a status that says running with no lease is a learner that died.
             phase = status.get("phase", "starting")
+            held = bool(store.client.exists(lease_key(cfg.key_prefix, name)))
+            alive = phase not in FINISHED and held
+            if not alive and phase not in FINISHED:
+                phase = "failed"
         else:
             # The launch driver's heartbeat in Redis (any API replica or host sees it); a local
             # child's pid; or a start too recent for a first heartbeat.

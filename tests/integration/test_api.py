@@ -6,6 +6,8 @@ run's phases are driven here by writing its status as a learner would; the live 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -314,3 +316,31 @@ def test_paths_inside_the_apis_directories_are_fine(api_cfg, monkeypatch, tmp_pa
     outside = {**small("r3"), "model": {"name_or_path": str(tmp_path / "models-evil")}}
     r = c.post("/v1/runs", json={"config": outside, "start": False}, headers=AUTH)
     assert r.status_code == 422 and "models_dir" in r.text
+
+
+def test_a_learner_started_by_hand_that_died_shows_failed(client, api_cfg):
+    """Run status from the learner's heartbeat, its lease (issue 19): a learner started outside
+    the API registers itself; once its lease is gone without a final status it is ``failed``,
+    and mutating calls on it are 409 (they were 202, for a learner that had crashed)."""
+    from reval.control import RunLease, adopt_run
+
+    r = redis.Redis.from_url(api_cfg.redis_url)
+    adopt_run(r, api_cfg.key_prefix, "hand", {"name": "hand"})
+    lease = RunLease(r, api_cfg.key_prefix, "hand", ttl_s=0.5)
+    lease.acquire()
+    as_learner(api_cfg, "hand", "running")
+    assert client.get("/v1/runs/hand").json()["phase"] == "running"
+    r2 = client.patch("/v1/runs/hand/hparams", json={"lr": 1e-5}, headers=AUTH)
+    assert r2.status_code == 202
+    lease._stop.set()  # the learner dies: its lease is no longer renewed (nor released)
+    lease._thread.join()
+    time.sleep(0.7)
+    assert client.get("/v1/runs/hand").json()["phase"] == "failed"
+    for call in (
+        lambda: client.patch("/v1/runs/hand/hparams", json={"lr": 1e-5}, headers=AUTH),
+        lambda: client.post("/v1/runs/hand/pause", headers=AUTH),
+        lambda: client.post("/v1/runs/hand/checkpoint", headers=AUTH),
+    ):
+        assert call().status_code == 409
+    as_learner(api_cfg, "hand", "stopped")  # (a learner that stopped cleanly said so)
+    assert client.get("/v1/runs/hand").json()["phase"] == "stopped"
