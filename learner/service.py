@@ -53,7 +53,7 @@ from buffer.prefetch import Prefetcher
 from buffer.records import RecordLimits, Trajectory
 from buffer.redis_ring import RedisRing
 from learner.batches import BatchSource, split_shares
-from learner.checkpoint import load_checkpoint, save_checkpoint
+from learner.checkpoint import PARTIAL, CheckpointWriteError, load_checkpoint, save_checkpoint
 from learner.export import export_hf
 from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
@@ -526,7 +526,9 @@ class LearnerService:
             "updates": st.updates,
             "policy_version": st.step,
             "hparams": self.step.applied.set_fields(),
-            "checkpoints": sorted(p.name for p in self.ckpt_dir.glob("step-*"))[-5:],
+            "checkpoints": sorted(
+                p.name for p in self.ckpt_dir.glob("step-*") if not p.name.endswith(PARTIAL)
+            )[-5:],
         }
         if last is not None:
             status["last"] = last
@@ -591,6 +593,10 @@ def _rank_main(
         if rank == 0:
             print(f"reval learner: {err}", file=sys.stderr, flush=True)
         sys.exit(LEASE_HELD_EXIT)
+    except CheckpointWriteError as err:  # one line, not a traceback per rank
+        if rank == 0:
+            print(f"reval learner: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def run_rank(
