@@ -344,3 +344,33 @@ def test_a_learner_started_by_hand_that_died_shows_failed(client, api_cfg):
         assert call().status_code == 409
     as_learner(api_cfg, "hand", "stopped")  # (a learner that stopped cleanly said so)
     assert client.get("/v1/runs/hand").json()["phase"] == "stopped"
+
+
+@pytest.mark.parametrize(
+    ("token", "why"),
+    [
+        ("aaaaaaaaaaaaaaaa", "too little entropy (0 bits"),
+        ("abababababababab", "too little entropy (16 bits"),
+        ("changeme", "empty or a default"),
+        ("short-Tok3n", "shorter than 16"),
+    ],
+)
+def test_serve_refuses_a_weak_token(api_cfg, monkeypatch, capsys, token, why):
+    from services.api import serve
+
+    monkeypatch.setenv(api_cfg.token_env, token)
+    assert serve(api_cfg) == 2  # (before: aaaaaaaaaaaaaaaa was accepted)
+    assert why in capsys.readouterr().err
+
+
+def test_real_tokens_pass_the_entropy_check():
+    import random
+    import secrets
+
+    from services.api import token_problem
+
+    rng = random.Random(19)
+    for _ in range(5000):  # 16 random hex digits
+        assert token_problem("".join(rng.choice("0123456789abcdef") for _ in range(16))) is None
+    assert token_problem(secrets.token_urlsafe(32)) is None
+    assert token_problem(TOKEN) is None
