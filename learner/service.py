@@ -58,7 +58,7 @@ from learner.export import export_hf
 from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
 from reval import registry
-from reval.config import RunConfig, dump_config
+from reval.config import RunConfig, dump_config, public_dump
 from reval.control import LeaseHeld, RunControl, RunLease, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import load_policy
@@ -227,7 +227,7 @@ class LearnerService:
             self.seen = {"checkpoint": st.checkpoint, "export": st.export}
             self.control.clear_stale_stop(self.started)  # (a stop of an earlier start)
             self.control.record("learner_started", {"resume": resume})
-            if adopt_run(self.client, cfg.buffer.key_prefix, cfg.name, cfg.model_dump(mode="json")):
+            if adopt_run(self.client, cfg.buffer.key_prefix, cfg.name, public_dump(cfg)):
                 log.info("run %s registered for the REST API", cfg.name)
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 import types
 from collections.abc import Iterable, Mapping
@@ -577,11 +578,37 @@ def load_config(
     return build_config(data)
 
 
-def dump_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config (every field, defaults and derived values included) as JSON."""
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its secrets replaced by ``***``: the password of the user part (a Redis
+    URL's: ``redis://:pw@host/0`` -> ``redis://:***@host/0``; all of it when there is no colon)
+    and a ``password=`` query parameter (``unix://`` sockets)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    auth, at, host = rest.rpartition("@")
+    if at:
+        user, colon, _ = auth.partition(":")
+        rest = f"{user}:{REDACTED}@{host}" if colon else f"{REDACTED}@{host}"
+    rest = re.sub(r"([?&]password=)[^&]*", rf"\g<1>{REDACTED}", rest)
+    return f"{scheme}://{rest}"
+
+
+def public_dump(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config (every field, defaults and derived values included) as JSON data,
+    with its secrets redacted (``buffer.redis_url``'s password): what is written to disk and
+    shown. Reloading it needs the secret again (``REVAL__BUFFER__REDIS_URL`` or ``--set``)."""
     data = cfg.model_dump(mode="json")
     data["buffer"]["samples_per_insert"] = cfg.samples_per_insert
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    data["buffer"]["redis_url"] = redact_url(cfg.buffer.redis_url)
+    return data
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write ``public_dump(cfg)``: the resolved config, secrets redacted."""
+    Path(path).write_text(json.dumps(public_dump(cfg), indent=2) + "\n")
 
 
 class ApiConfig(BaseModel):

@@ -40,7 +40,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from pydantic import BaseModel, ConfigDict, Field
 
 from reval import registry
-from reval.config import ApiConfig, BufferConfig, ConfigError, RunConfig, build_config
+from reval.config import (
+    ENV_PREFIX,
+    ApiConfig,
+    BufferConfig,
+    ConfigError,
+    RunConfig,
+    build_config,
+    public_dump,
+)
 from reval.control import LiveHParams, RunControl, lease_key, runs_key
 
 log = logging.getLogger("reval.api")
@@ -393,7 +401,9 @@ def create_app(
         path.write_text(json.dumps(entry["config"], indent=2))
         if launcher is not None:
             return launcher(name, path)
-        env = dict(os.environ)
+        # The run's Redis URL is the API's own (create_run made it so); its password reaches
+        # the run through the environment, never through a file or the runs hash.
+        env = {**os.environ, f"{ENV_PREFIX}BUFFER__REDIS_URL": cfg.redis_url}
         if cfg.ray_address:
             env["RAY_ADDRESS"] = cfg.ray_address
         elif not env.get("RAY_ADDRESS"):
@@ -492,7 +502,7 @@ def create_app(
         control.clear()
         entry: dict[str, Any] = {
             "created": time.time(),
-            "config": run_cfg.model_dump(mode="json"),
+            "config": public_dump(run_cfg),  # (no secret in Redis: ``launch`` adds it back)
             "pid": None,
             "started": False,
         }

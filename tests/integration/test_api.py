@@ -374,3 +374,28 @@ def test_real_tokens_pass_the_entropy_check():
         assert token_problem("".join(rng.choice("0123456789abcdef") for _ in range(16))) is None
     assert token_problem(secrets.token_urlsafe(32)) is None
     assert token_problem(TOKEN) is None
+
+
+def test_the_redis_password_is_never_written(tmp_path, redis_url, redis_prefix, monkeypatch):
+    """Secrets redacted (issue 19): the Redis URL's password was written to the runs hash and
+    to the run's config files. (Redis's default user has no password here: it takes any.)"""
+    from reval.config import build_config, dump_config, public_dump
+
+    host = redis_url.split("://", 1)[1]
+    url = f"redis://default:s3cret-pw@{host}"
+    cfg = ApiConfig(redis_url=url, key_prefix=redis_prefix, output_dir=str(tmp_path))
+    monkeypatch.setenv(cfg.token_env, TOKEN)
+    launched = []
+    app = create_app(cfg, launcher=lambda name, path: launched.append(path.read_text()) or 0)
+    c = TestClient(app)
+    assert (
+        c.post("/v1/runs", json={"config": small(), "start": True}, headers=AUTH).status_code == 201
+    )
+    r = redis.Redis.from_url(redis_url)
+    stored = b"".join(r.hvals(f"{redis_prefix}api:runs"))
+    assert b"s3cret-pw" not in stored and b"default:***@" in stored
+    assert launched and "s3cret-pw" not in launched[0]
+    run = build_config({"buffer": {"backend": "redis", "redis_url": url}})
+    dump_config(run, tmp_path / "config.json")
+    assert "s3cret-pw" not in (tmp_path / "config.json").read_text()
+    assert public_dump(run)["buffer"]["redis_url"] == f"redis://default:***@{host}"
