@@ -583,6 +583,8 @@ def _rank_main(
         signal.signal(sig, lambda _s, _f: early.set())
     _EARLY_STOP.append(early)
     _follow_parent(parent)
+    if sys.platform.startswith("linux"):  # spawned ranks are all on this machine: gloo on lo
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
@@ -622,7 +624,13 @@ def run_rank(
     # Rank 0 may spend up to ~4 sync timeouts in the broadcast hub (a dead worker: the failed
     # collective, then two timeouts of acknowledgements, then the new group) while the other
     # ranks wait in the next collective.
-    dist.init_process_group(backend, timeout=dt.timedelta(seconds=4 * cfg.sync.timeout_s + 60))
+    timeout = dt.timedelta(seconds=4 * cfg.sync.timeout_s + 60)
+    store = process_group_store(timeout)
+    if store is None:  # (torchrun: its agent hosts the store)
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     lease = None
     try:
         lease = _take_lease(cfg)
@@ -666,6 +674,30 @@ def run_rank(
         if lease is not None:
             lease.release()
         dist.destroy_process_group()
+
+
+_LISTENERS: list[socket.socket] = []
+"""Sockets handed to a TCPStore (``master_listen_fd``): kept open as long as the process."""
+
+
+def process_group_store(timeout: dt.timedelta) -> dist.TCPStore | None:
+    """The learner ranks' TCPStore, listening on ``MASTER_ADDR`` only: torch's own (``env://``)
+    listens on every interface whatever ``MASTER_ADDR`` says, so rank 0 binds a socket there
+    and hands it over (``master_listen_fd``); the other ranks connect. None under torchrun,
+    whose agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world = int(os.environ["WORLD_SIZE"])
+    if int(os.environ["RANK"]) != 0:
+        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    listener = socket.create_server((addr, port), family=family, backlog=512)
+    _LISTENERS.append(listener)
+    return dist.TCPStore(
+        addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+    )  # fmt: skip
 
 
 def _take_lease(cfg: RunConfig) -> RunLease | None:

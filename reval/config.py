@@ -319,10 +319,15 @@ class SyncConfig(_Section):
     that joined the learner's hub: faster than the shared directory, which stays the fallback
     and what newcomers read first."""
     broadcast_host: str = "127.0.0.1"
-    """Address the workers reach the learner's hub at (the learner listens on all interfaces;
-    announced in Redis). ``auto``: the learner's own address as other hosts see it (its Ray
+    """Address the workers reach the learner's hub at (announced in Redis, with the run's
+    secret that joining needs). ``auto``: the learner's own address as other hosts see it (its Ray
     node's IP under Ray, else its host name resolved, as torch.distributed does): for workers in
     other containers or on other nodes (docker-compose.yml, deploy/k8s)."""
+    broadcast_bind: str | None = None
+    """Address the hub listens on (its store and its gloo sockets). Unset: the address of
+    ``broadcast_host`` (loopback by default; with ``auto`` the learner's own address, where
+    the workers of other containers or nodes reach it), never every interface unless set to
+    ``0.0.0.0``."""
     broadcast_port: int = Field(0, ge=0, le=65535)
     """Port of the hub (0: any free port; it is announced in Redis)."""
 

@@ -429,13 +429,14 @@ class RevalWorkerExtension:
 
     def reval_join_broadcast(self, address: str, worker_id: str, timeout_s: float) -> bool:
         self.reval_leave_broadcast()
-        backend, host, port = parse_address(address)
+        backend, host, port, secret = parse_address(address)
         if backend == "nccl" and self.device.type != "cuda":
             return False
         self._reval_receiver = BroadcastReceiver(
             host,
             port,
             f"{worker_id}/vllm{getattr(self, 'rank', 0)}",
+            secret,
             timeout_s=timeout_s,
             backend=backend,
             device=self.device if backend == "nccl" else "cpu",

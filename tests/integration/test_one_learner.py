@@ -139,3 +139,32 @@ def test_one_learner_per_run_and_no_orphan_ranks(tmp_path, redis_url, redis_pref
                 os.killpg(proc.pid, signal.SIGKILL)
         if rank_pid is not None and _alive(rank_pid):
             os.kill(rank_pid, signal.SIGKILL)
+
+
+def test_the_learner_ranks_store_listens_on_master_addr_only(monkeypatch):
+    """torch's env:// store listens on every interface whatever MASTER_ADDR says; the learner's
+    own (``process_group_store``) listens on MASTER_ADDR only (127.0.0.2 is this machine too,
+    but not the address it was given)."""
+    import datetime as dt
+    import socket
+
+    from learner.service import process_group_store
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store = process_group_store(dt.timedelta(seconds=5))
+    assert store is not None
+    monkeypatch.setenv("RANK", "1")
+    other = process_group_store(dt.timedelta(seconds=5))  # rank 1 joins it
+    other.set("k", "v")
+    assert store.get("k") == b"v"
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.2", port), timeout=2).close()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert process_group_store(dt.timedelta(seconds=5)) is None  # (torchrun's agent hosts it)
