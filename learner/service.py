@@ -47,11 +47,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from buffer import make_buffer
-from buffer.base import SampledBatch, SampleTimeout
+from buffer.base import BufferUnavailable, SampledBatch, SampleTimeout
 from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
 from buffer.records import RecordLimits, Trajectory
-from buffer.redis_ring import RedisRing
+from buffer.redis_ring import RedisRing, RingCorrupt
 from learner.batches import BatchSource, split_shares
 from learner.checkpoint import PARTIAL, CheckpointWriteError, load_checkpoint, save_checkpoint
 from learner.export import export_hf
@@ -445,6 +445,8 @@ class LearnerService:
                 self.metrics.wait_data.inc(wait)
                 try:
                     record = self.step(share, weights, batch)
+                except (BufferUnavailable, RingCorrupt, redis.RedisError, ConnectionError):
+                    raise  # the replay service's fault, not the batch's
                 except Exception as err:  # a batch the checks let through
                     self._quarantine_batch(batch, err)
                     continue
