@@ -478,7 +478,9 @@ def create_app(
                                            "type": "value_error"}])  # fmt: skip
             buffer[key] = value
         data["buffer"] = buffer
-        data.setdefault("output_dir", cfg.output_dir)
+        # (a resolved config, as ``reval runs create`` sends, carries the default: the API's)
+        if data.get("output_dir") in (None, RunConfig.model_fields["output_dir"].default):
+            data["output_dir"] = cfg.output_dir
         if body.workers is not None:
             data["launch"] = {**section("launch"), "workers": body.workers}
         try:
