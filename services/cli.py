@@ -150,6 +150,12 @@ def _parser() -> argparse.ArgumentParser:
     from services.ablations import add_parser as add_ablate
 
     add_ablate(sub)
+    from services.compose import add_parser as add_compose
+
+    add_compose(sub)
+    from services.doctor import add_parser as add_doctor
+
+    add_doctor(sub)
     return p
 
 
@@ -307,6 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.ablations import main as ablate_main
 
         return ablate_main(args)
+    if args.command == "compose":
+        from services.compose import main as compose_main
+
+        return compose_main(args)
+    if args.command == "doctor":
+        from services.doctor import main as doctor_main
+
+        return doctor_main(args)
     algo = getattr(args, "algo", None)
     overrides = list(ALGO_OVERRIDES.get(algo, [])) + list(args.overrides)
     if getattr(args, "engine", None):
