@@ -94,3 +94,9 @@ test-floors: $(FLOORS_STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(FLOORS_VENV) runs .pytest_cache .mypy_cache .ruff_cache
+
+# The GPU smoke suite (tests/gpu, marked `gpu`; skipped without CUDA): one learner rank and, with
+# vLLM installed (the `gpu` extra), one vLLM engine on a 0.5B-shaped Qwen2; docs/learner.md.
+.PHONY: gpu-smoke
+gpu-smoke: $(STAMP)
+	$(BIN)/python -m pytest -q -s -m gpu tests/gpu

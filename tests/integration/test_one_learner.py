@@ -148,7 +148,7 @@ def test_the_learner_ranks_store_listens_on_master_addr_only(monkeypatch):
     import datetime as dt
     import socket
 
-    from learner.service import process_group_store
+    from learner.parallel import process_group_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
