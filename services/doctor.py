@@ -97,9 +97,9 @@ def ports(cfg: RunConfig) -> dict[int, str]:
 
 
 def checkpoint_bytes(cfg: RunConfig) -> int:
-    """One learner checkpoint's size (``checkpoint_bytes_per_param``), the parameters counted from the
-    model's local weight files (2 bytes each in bf16/fp16, 4 in fp32), else read from a hub id's
-    name (``…-1.5B``)."""
+    """One learner checkpoint's size (``checkpoint_bytes_per_param``), the parameters counted
+    from the model's local weight files (2 bytes each in bf16/fp16, 4 in fp32), else read from a
+    hub id's name (``…-1.5B``)."""
     path = cfg.model.name_or_path
     if path is None:
         return 1 << 30  # a tiny model the project builds itself
