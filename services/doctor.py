@@ -30,12 +30,16 @@ SHM_MIN_BYTES = 1 << 30
 first large transfer (Docker's default is 64 MB; ``reval compose`` sets ``shm_size``)."""
 CHECKPOINTS_KEPT = 2
 """Free disk asked for: room for this many checkpoints (the one being written and the last)."""
+
+
 def checkpoint_bytes_per_param(cfg: RunConfig) -> int:
     """A learner checkpoint holds the fp32 master weights and AdamW's two fp32 moments (12 bytes
     a parameter) and the frozen reference in the compute dtype (``model.dtype``: 2 bytes in
     bf16/fp16, 4 in fp32): 14 bytes a parameter for the GPU presets, about 21 GB for a 1.5B
     model and 98 GB for a 7B one."""
     return 12 + (4 if cfg.model.dtype == "float32" else 2)
+
+
 UNKNOWN_CHECKPOINT_BYTES = 100 << 30
 """Checkpoint size assumed when the model's weights are not on this disk to measure and its
 name does not say its size."""
