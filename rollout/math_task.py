@@ -2,89 +2,28 @@
 paper's prompt templates, graded on the last ``\\boxed{}`` of the answer.
 
 The loader is the real one: a local JSONL or parquet file, or a dataset name through the
-``datasets`` library. The verifier here compares normalized boxed strings; the process-pool
-math-verify grader of the rollout issue implements the same ``Verifier`` protocol.
+``datasets`` library. Answers are graded by math-verify in a process pool
+(``rollout/verify.py``: ``PooledVerifier``), the same grader as the rollout workers' and
+``reval eval``'s.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reval.config import TaskConfig
+from reval.config import RolloutConfig, TaskConfig
 from rollout.task_types import Prompt, Verifier
+from rollout.verify import MathVerify, PooledVerifier
 
 log = logging.getLogger("reval.math")
 
 USER_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (brace-matched), or None."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
-
-
-_SPACES = re.compile(r"\s+")
-
-
-def normalize_answer(ans: str) -> str:
-    s = _SPACES.sub("", ans)
-    for a, b in (
-        ("\\dfrac", "\\frac"),
-        ("\\tfrac", "\\frac"),
-        ("\\left", ""),
-        ("\\right", ""),
-        ("^{\\circ}", ""),
-        ("^\\circ", ""),
-        ("\\$", ""),
-        ("$", ""),
-        ("\\!", ""),
-    ):
-        s = s.replace(a, b)
-    s = s.rstrip(".")
-    if re.fullmatch(r"-?\d+\.0+", s):
-        s = s.split(".")[0]
-    return s
-
-
-@dataclass
-class BoxedMatch:
-    """Reward 1 when the last boxed answer equals the gold one after normalization. With
-    ``require_think`` (thinking models, DeepScaleR's rule) a response without ``</think>`` scores 0
-    and only the text after the first ``</think>`` is graded."""
-
-    require_think: bool = False
-
-    def score(self, prompt: Prompt, response: str) -> float:
-        if self.require_think:
-            _head, sep, tail = response.partition("</think>")
-            if not sep:
-                return 0.0
-            response = tail
-        pred = last_boxed(response)
-        if pred is None:
-            return 0.0
-        return 1.0 if normalize_answer(pred) == normalize_answer(prompt.answer) else 0.0
 
 
 def read_rows(source: str, split: str = "train") -> Iterable[Mapping[str, Any]]:
@@ -149,9 +88,12 @@ class MathTask:
         tokenizer: Any | None = None,
         max_prompt_chars: int | None = None,
         max_prompt_tokens: int | None = None,
+        verifier: Verifier | None = None,
     ) -> MathTask:
         """Bad rows (missing fields, empty problem, over-long prompt) are skipped and counted.
-        ``max_prompt_tokens`` counts the templated prompt's tokens with ``tokenizer``."""
+        ``max_prompt_tokens`` counts the templated prompt's tokens with ``tokenizer``. The
+        verifier: ``verifier``, else math-verify in a pool of 2 processes (``PooledVerifier``),
+        with DeepScaleR's ``</think>`` rule for the ``r1_distill`` template."""
         prompts: list[Prompt] = []
         skipped: dict[str, int] = {}
         for i, row in enumerate(rows):
@@ -177,10 +119,20 @@ class MathTask:
             raise ValueError(f"no usable rows (skipped: {skipped})")
         if skipped:
             log.warning("skipped rows: %s", skipped)
-        return cls(prompts=prompts, verifier=BoxedMatch(template == "r1_distill"), skipped=skipped)
+        if verifier is None:
+            verifier = PooledVerifier(MathVerify(require_think=template == "r1_distill"))
+        return cls(prompts=prompts, verifier=verifier, skipped=skipped)
 
     @classmethod
-    def from_config(cls, cfg: TaskConfig, tokenizer: Any | None = None) -> MathTask:
+    def from_config(
+        cls,
+        cfg: TaskConfig,
+        tokenizer: Any | None = None,
+        rollout: RolloutConfig | None = None,
+        registry: Any | None = None,
+    ) -> MathTask:
+        """The configured dataset, graded by math-verify in a pool of
+        ``rollout.verifier_workers`` processes (metrics on ``registry``)."""
         if not cfg.dataset:
             raise ValueError("task.kind=math needs task.dataset (a file or a dataset name)")
         # Without a tokenizer, characters bound tokens from above (a token is at most ~8 chars
@@ -191,6 +143,12 @@ class MathTask:
             tokenizer,
             cfg.max_prompt_tokens * 8 if tokenizer is None else None,
             cfg.max_prompt_tokens if tokenizer is not None else None,
+            PooledVerifier(
+                MathVerify(require_think=cfg.template == "r1_distill"),
+                workers=rollout.verifier_workers if rollout else 2,
+                timeout=rollout.verifier_timeout_s if rollout else 5.0,
+                registry=registry,
+            ),
         )
 
     def pretrain_texts(self, rng: Any, count: int) -> list[str]:

@@ -30,7 +30,7 @@ def build_policy_and_task(cfg: RunConfig) -> tuple[Policy, Task, dict[str, float
     """Load the policy, build the task, pretrain (tiny model) and calibrate (one-shot task)."""
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.model, seed=cfg.seed)
-    task = build_task(cfg.task, seed=cfg.seed, tokenizer=policy.tokenizer)
+    task = build_task(cfg.task, cfg.seed, policy.tokenizer, cfg.rollout)
     info: dict[str, float] = {}
     if cfg.model.pretrain_steps and cfg.model.name_or_path is None:
         info["pretrain_loss"] = pretrain(

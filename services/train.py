@@ -194,6 +194,9 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
             break
     if writer:
         writer.close()
+    close_verifier = getattr(task.verifier, "close", None)
+    if close_verifier is not None:  # the math task's grading pool
+        close_verifier()
     _checkpoint(run_dir, learner, step, history[-1]["round"])
     ckpt = export_hf(policy.model, policy.tokenizer, run_dir / "final")
     if cfg.metrics.plot:
