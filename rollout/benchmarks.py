@@ -13,6 +13,7 @@ nothing is downloaded in tests). Expected fields, first one present wins:
 | minerva | math-ai/minervamath (test) | question, problem | answer |
 | olympiad | math-ai/olympiadbench (test) | question, problem | final_answer, answer (1) |
 | gpqa | Idavidrein/gpqa, gpqa_diamond (train) | Question, question | Correct Answer, correct (2) |
+| wordmath | none: ``reval make-data`` writes it (``rollout/word_problems.py``) | problem | answer |
 
 (1) a list: its first item. (2) with the three wrong options as ``Incorrect Answer 1``-``3``, or
 ``incorrect`` (a list of three).
@@ -71,6 +72,8 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             problem_fields=("question", "problem"),
             answer_fields=("final_answer", "answer"),
         ),
+        # Generated locally (``reval make-data``, ``rollout/word_problems.py``): no hub copy.
+        BenchmarkSpec("wordmath", "Word", "", "test"),
         BenchmarkSpec(
             "gpqa",
             "GPQA",
@@ -169,6 +172,10 @@ def source_of(spec: BenchmarkSpec, data_dir: str | Path | None) -> str:
             if path.is_file():
                 return str(path)
         raise FileNotFoundError(f"{spec.name}: no {spec.name}.jsonl/.json/.parquet in {data_dir}")
+    if not spec.hub:
+        raise FileNotFoundError(
+            f"{spec.name} is generated locally (reval make-data OUT): pass --data OUT/benchmarks"
+        )
     return spec.hub
 
 

@@ -152,7 +152,9 @@ class MathTask:
         )
 
     def pretrain_texts(self, rng: Any, count: int) -> list[str]:
+        """Each prompt followed by another prompt's boxed answer: the answer format, not the
+        answers (RL starts near chance, as the built-in tasks' pretraining does)."""
         return [
-            f"{p.text} \\boxed{{{p.answer}}}"
+            f"{p.text} \\boxed{{{rng.choice(self.prompts).answer}}}"
             for p in rng.sample(self.prompts, min(count, len(self.prompts)))
         ]

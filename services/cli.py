@@ -137,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     from services.ablations import add_parser as add_ablate
 
     add_ablate(sub)
+    from services.make_model import add_parser as add_make
+
+    add_make(sub)
     return p
 
 
@@ -294,6 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.ablations import main as ablate_main
 
         return ablate_main(args)
+    if args.command in ("make-data", "make-model"):
+        from services.make_model import main as make_main
+
+        return make_main(args)
     algo = getattr(args, "algo", None)
     overrides = list(ALGO_OVERRIDES.get(algo, [])) + list(args.overrides)
     if getattr(args, "engine", None):
