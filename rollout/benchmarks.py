@@ -26,6 +26,7 @@ templates (``math_task.format_prompt``).
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any
 from rollout.math_task import format_prompt, read_rows
 
 CHOICES = "ABCD"
+log = logging.getLogger("reval.benchmarks")
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,8 @@ class Benchmark:
     total: int = 0
     """Usable rows before the cap."""
     prompts: list[str] = field(default_factory=list)
+    too_long: int = 0
+    """Problems whose prompt is over ``max_prompt_tokens``: skipped, never truncated."""
 
 
 def _first(row: Mapping[str, Any], names: Sequence[str]) -> Any:
@@ -186,8 +190,11 @@ def load_benchmark(
     seed: int = 0,
     template: str = "plain",
     tokenizer: Any | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> Benchmark:
-    """A benchmark's problems (a seeded subsample of ``max_problems``) and their prompts."""
+    """A benchmark's problems (a seeded subsample of ``max_problems``) and their prompts.
+    With ``tokenizer`` and ``max_prompt_tokens``, problems whose templated prompt is longer are
+    skipped (counted in ``too_long`` and logged), never truncated."""
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r} (one of {', '.join(BENCHMARKS)})")
     spec = BENCHMARKS[name]
@@ -201,9 +208,21 @@ def load_benchmark(
     else:
         rows = read_rows(src, spec.split)
     problems, skipped = parse_rows(spec, rows, seed)
+    too_long = 0
+    if tokenizer is not None and max_prompt_tokens is not None:
+        fits = [
+            len(tokenizer(format_prompt(p.text, template, tokenizer), add_special_tokens=False)
+                .input_ids) <= max_prompt_tokens
+            for p in problems
+        ]  # fmt: skip
+        too_long = fits.count(False)
+        problems = [p for p, ok in zip(problems, fits, strict=True) if ok]
+        if too_long:
+            log.warning("%s: %d problems longer than %d prompt tokens skipped, not truncated",
+                        name, too_long, max_prompt_tokens)  # fmt: skip
     total = len(problems)
     if total > max_problems:
         keep = sorted(random.Random(f"{seed}/{name}/subsample").sample(range(total), max_problems))
         problems = [problems[i] for i in keep]
     prompts = [format_prompt(p.text, template, tokenizer) for p in problems]
-    return Benchmark(spec, problems, skipped, total, prompts)
+    return Benchmark(spec, problems, skipped, total, prompts, too_long)

@@ -11,16 +11,38 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
 
 from reval.config import RolloutConfig, TaskConfig
 from rollout.task_types import Prompt, Verifier
 from rollout.verify import MathVerify, PooledVerifier
 
 log = logging.getLogger("reval.math")
+
+SKIP_REASONS = ("missing_field", "empty_problem", "too_long")
+
+
+class TaskMetrics:
+    """What loading a math dataset skipped, on the process's registry (``reval train`` and the
+    rollout workers)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.skipped = Counter(
+            "reval_task_prompts_skipped",
+            "Dataset rows skipped at load (too_long: over task.max_prompt_tokens, not truncated)",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in SKIP_REASONS:
+            self.skipped.labels(reason)
+
 
 USER_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -117,6 +139,9 @@ class MathTask:
                 skipped[reason] = skipped.get(reason, 0) + 1
         if not prompts:
             raise ValueError(f"no usable rows (skipped: {skipped})")
+        if skipped.get("too_long"):
+            log.warning("%d prompts longer than %s tokens (%s chars) skipped, not truncated",
+                        skipped["too_long"], max_prompt_tokens, max_prompt_chars)  # fmt: skip
         if skipped:
             log.warning("skipped rows: %s", skipped)
         if verifier is None:
@@ -132,12 +157,13 @@ class MathTask:
         registry: Any | None = None,
     ) -> MathTask:
         """The configured dataset, graded by math-verify in a pool of
-        ``rollout.verifier_workers`` processes (metrics on ``registry``)."""
+        ``rollout.verifier_workers`` processes; the grading and skipped-row metrics on
+        ``registry``."""
         if not cfg.dataset:
             raise ValueError("task.kind=math needs task.dataset (a file or a dataset name)")
         # Without a tokenizer, characters bound tokens from above (a token is at most ~8 chars
         # for the tokenizers in use); with one, the templated prompt's tokens are counted.
-        return cls.from_rows(
+        task = cls.from_rows(
             read_rows(cfg.dataset, cfg.split),
             cfg.template,
             tokenizer,
@@ -150,11 +176,28 @@ class MathTask:
                 registry=registry,
             ),
         )
+        counter = TaskMetrics(registry).skipped
+        for reason, n in task.skipped.items():
+            counter.labels(reason).inc(n)
+        return task
 
     def pretrain_texts(self, rng: Any, count: int) -> list[str]:
-        """Each prompt followed by another prompt's boxed answer: the answer format, not the
-        answers (RL starts near chance, as the built-in tasks' pretraining does)."""
+        """Each prompt followed by the boxed answer of another prompt whose answer has the same
+        shape (``answer_shape``): the answer format, not the answers (RL starts near chance, as
+        the built-in tasks' pretraining does)."""
+        by_shape: dict[str, list[str]] = {}
+        for p in self.prompts:
+            by_shape.setdefault(answer_shape(p.answer), []).append(p.answer)
         return [
-            f"{p.text} \\boxed{{{rng.choice(self.prompts).answer}}}"
+            f"{p.text} \\boxed{{{rng.choice(by_shape[answer_shape(p.answer)])}}}"
             for p in rng.sample(self.prompts, min(count, len(self.prompts)))
         ]
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def answer_shape(answer: str) -> str:
+    """An answer with every run of digits read as one digit: ``\\frac{3}{4}`` and
+    ``\\frac{1}{12}`` share a shape, ``-4`` and ``x+4`` do not."""
+    return _DIGITS.sub("0", answer)

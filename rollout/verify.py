@@ -788,6 +788,7 @@ class PooledVerifier:
         self.timeout = timeout
         self.registry = registry
         self._pool: VerifierPool | None = None
+        self._closed = False
         self._lock = threading.Lock()
 
     @property
@@ -797,6 +798,8 @@ class PooledVerifier:
     @property
     def pool(self) -> VerifierPool:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("verifier pool is closed")
             if self._pool is None:
                 self._pool = VerifierPool(
                     self.grader, workers=self.workers, timeout=self.timeout, registry=self.registry
@@ -810,8 +813,8 @@ class PooledVerifier:
         return [float(x) for x in self.pool.score_many([(p.answer, r) for p, r in pairs])]
 
     def close(self) -> None:
-        """Stop the pool's processes (idempotent; a later answer starts a new pool)."""
+        """Stop the pool's processes (idempotent); a later answer raises RuntimeError."""
         with self._lock:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._closed = self._pool, None, True
         if pool is not None:
             pool.close()
