@@ -22,9 +22,13 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return done
 
 
+KINDS = "decimal,expression,fraction"
+"""The kinds the preset's model learns at its size (configs/cpu_math.toml)."""
+
+
 def make(tmp: Path, pretrain_steps: int, per_kind: int = 200) -> tuple[Path, Path]:
     data, model = tmp / "data", tmp / "model"
-    cli("make-data", str(data), "--per-kind", str(per_kind))
+    cli("make-data", str(data), "--per-kind", str(per_kind), "--kinds", KINDS)
     cli("make-model", str(model), "--data", str(data / "train.jsonl"), "--template", "plain",
         "--pretrain-steps", str(pretrain_steps))  # fmt: skip
     return data, model
@@ -73,4 +77,5 @@ def test_cpu_math_preset_learns_held_out_problems(tmp_path: Path) -> None:
     data, model = make(tmp_path, pretrain_steps=300)
     cli("train", *preset(tmp_path, data, model), timeout=1700)
     summary = json.loads((tmp_path / "runs" / "cpu_math" / "summary.json").read_text())
-    assert summary["final_success"] >= summary["initial_success"] + 0.15, summary
+    assert summary["initial_success"] < 0.2, summary  # about chance: the format, not the answers
+    assert summary["final_success"] >= summary["initial_success"] + 0.5, summary
