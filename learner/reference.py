@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from buffer.records import Trajectory
+from learner.batches import micro_batches
 from learner.sequence import collate, policy_stats
 
 
@@ -26,11 +27,14 @@ class ReferencePolicy:
         micro_batch_size: int,
         model: nn.Module | None = None,
         sync_chunks: Callable[[int], int] | None = None,
+        max_tokens: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         """``model``: a ready copy of the policy (the learner service passes an FSDP-sharded
         one); by default a deep copy. ``sync_chunks``: under FSDP every rank must run the same
         number of forward passes: it maps this rank's count of micro-batches to the largest over
-        the ranks, and ranks with fewer run repeats whose results they drop."""
+        the ranks, and ranks with fewer run repeats whose results they drop. ``max_tokens`` and
+        ``dtype``: the learner's token budget per micro-batch and compute dtype."""
         self.sync_chunks = sync_chunks
         self.model = model if model is not None else copy.deepcopy(policy)
         self.model.eval()
@@ -38,6 +42,8 @@ class ReferencePolicy:
         self.pad_id = pad_id
         self.eos_id = eos_id
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens
+        self.dtype = dtype
         self.version = 0
         self.computed = 0  # trajectories whose reference quantities were (re)computed
 
@@ -62,17 +68,21 @@ class ReferencePolicy:
         """Compute and cache the reference quantities of every trajectory whose cache is missing
         or from another reference version; returns how many were computed."""
         stale = [t for t in trajectories if t.ref_version != self.version]
-        starts = list(range(0, len(stale), self.micro_batch_size))
+        parts = micro_batches(
+            [(t.prompt_ids.size, t.response_ids.size) for t in stale],
+            self.micro_batch_size,
+            self.max_tokens,
+        )
         if self.sync_chunks is not None and trajectories:
-            extra = self.sync_chunks(len(starts)) - len(starts)
+            extra = self.sync_chunks(len(parts)) - len(parts)
             if extra > 0:  # keep the FSDP collectives in step with the other ranks
                 batch = collate(list(trajectories[:1]), self.pad_id, self.eos_id).to(device)
                 for _ in range(extra):
-                    policy_stats(self.model, batch)
-        for start in starts:
-            chunk = stale[start : start + self.micro_batch_size]
+                    policy_stats(self.model, batch, self.dtype)
+        for part in parts:
+            chunk = [stale[i] for i in part]
             batch = collate(chunk, self.pad_id, self.eos_id).to(device)
-            stats = policy_stats(self.model, batch)
+            stats = policy_stats(self.model, batch, self.dtype)
             for t, slp, v1 in zip(chunk, stats.slp.tolist(), stats.v1.tolist(), strict=True):
                 t.ref_logprob_sum = slp
                 t.ref_value = v1

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from buffer.records import Trajectory
 
@@ -88,6 +91,25 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Bat
     )
 
 
+LOGPROB_CHUNK = 256
+"""Response positions whose vocabulary logits exist at once (``policy_stats``): with Qwen's 152k
+vocabulary and 8 sequences a chunk is 8 x 256 x 152k fp32 = 1.2 GB, whatever the length."""
+
+
+def _logp_lse(z: Tensor, y: Tensor) -> Tensor:
+    """[..., 2]: log pi(y) and logsumexp of the logits ``z`` [..., V], upcast to fp32 first
+    (bf16 LSE is unstable)."""
+    zf = z.float()
+    lse = torch.logsumexp(zf, dim=-1)
+    target = zf.gather(-1, y.long()[..., None])[..., 0]
+    return torch.stack([target - lse, lse], dim=-1)
+
+
+def _stats(logp_lse: Tensor, m: Tensor) -> SequenceStats:
+    logp = logp_lse[..., 0] * m.to(torch.float32)
+    return SequenceStats(logp=logp, slp=logp.sum(-1), v1=logp_lse[:, 0, 1])
+
+
 def sequence_stats(z: Tensor, y: Tensor, m: Tensor) -> SequenceStats:
     """Per-token log-probs, their masked sum and V(s1) from response-aligned logits.
 
@@ -96,30 +118,60 @@ def sequence_stats(z: Tensor, y: Tensor, m: Tensor) -> SequenceStats:
         y: [B, T] response token ids.
         m: [B, T] response mask.
     """
-    zf = z.float()  # upcast BEFORE log_softmax / logsumexp (bf16 LSE is unstable)
-    logp = zf.log_softmax(-1).gather(-1, y.long()[..., None])[..., 0]
-    mf = m.to(logp.dtype)
-    logp = logp * mf
-    slp = logp.sum(-1)
-    v1 = torch.logsumexp(zf[:, 0], dim=-1)
-    return SequenceStats(logp=logp, slp=slp, v1=v1)
+    return _stats(_logp_lse(z, y), m)
 
 
-def response_logits(model: nn.Module, batch: Batch) -> Tensor:
-    """[B, T, V] logits that predict the response tokens (only the last T+1 positions are
-    projected to the vocabulary: ``logits_to_keep``)."""
+def _head_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor) -> Tensor:
+    return _logp_lse(F.linear(h, weight, bias), y)
+
+
+def chunked_logp_lse(
+    h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, chunk: int = LOGPROB_CHUNK
+) -> Tensor:
+    """``_logp_lse(h @ weight.T + bias, y)`` [B, T, 2] over ``chunk`` positions at a time: the
+    [B, T, V] logits are never whole, and with gradients each chunk's are recomputed in the
+    backward pass (non-reentrant activation checkpointing) instead of kept."""
+    parts = []
+    for s in range(0, h.shape[1], chunk):
+        args = (h[:, s : s + chunk], weight, bias, y[:, s : s + chunk])
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_head_chunk, *args, use_reentrant=False))
+        else:
+            parts.append(_head_chunk(*args))
+    return torch.cat(parts, dim=1)
+
+
+def compute_context(device: torch.device, dtype: torch.dtype) -> Any:
+    """The one place the compute dtype applies (``model.dtype``): the parameters stay fp32
+    masters and the matmuls run in ``dtype`` under autocast (FSDP2's ``MixedPrecisionPolicy``
+    already hands bf16 parameters to a sharded model; the same autocast covers one process)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def policy_stats(
+    model: nn.Module, batch: Batch, dtype: torch.dtype = torch.float32
+) -> SequenceStats:
+    """Run the model on a batch and return its SequenceStats (grad flows if enabled), in the
+    compute ``dtype``. Only the last T+1 positions reach the LM head (``logits_to_keep``), and
+    the head computes log-probs and V(s1) chunk by chunk (``chunked_logp_lse``) inside the
+    model's forward (so FSDP's root holds the head's gathered weight), never [B, T, V] at once."""
     t = batch.response_len
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=t + 1,
-        use_cache=False,
-    )
-    logits: Tensor = out.logits
-    return logits[:, -t - 1 : -1, :]
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    y = batch.responses
 
+    def forward(hidden: Tensor) -> Tensor:  # [B, T+1, H] -> [B, T, 2]
+        return chunked_logp_lse(hidden[:, :-1], head.weight, head.bias, y)
 
-def policy_stats(model: nn.Module, batch: Batch) -> SequenceStats:
-    """Run the model on a batch and return its SequenceStats (grad flows if enabled)."""
-    return sequence_stats(response_logits(model, batch), batch.responses, batch.mask)
+    head.forward = forward  # (this call only: an instance attribute, removed below)
+    try:
+        with compute_context(batch.input_ids.device, dtype):
+            out = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                logits_to_keep=t + 1,
+                use_cache=False,
+            )
+    finally:
+        del head.forward
+    return _stats(out.logits.float(), batch.mask)

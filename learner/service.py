@@ -21,8 +21,6 @@ calibration) is done above, by ``services/setup.py``.
 from __future__ import annotations
 
 import contextlib
-import copy
-import datetime as dt
 import json
 import logging
 import os
@@ -39,10 +37,7 @@ import redis
 import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from buffer import make_buffer
 from buffer.base import SampledBatch, SampleTimeout
@@ -52,13 +47,14 @@ from buffer.records import Trajectory
 from learner.batches import BatchSource, split_shares
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.export import export_hf
+from learner.parallel import build_models, init_group, rank_device, reduce_scalar
 from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
 from reval import registry
 from reval.config import RunConfig, dump_config
 from reval.control import RunControl, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
-from reval.policy import load_policy
+from reval.policy import compute_dtype, load_policy
 from reval.weight_sync import build_publisher
 
 log = logging.getLogger("reval.learner")
@@ -89,22 +85,6 @@ class LearnerMetrics:
         self.update = UpdateMetrics(r)
 
 
-def _shard(model: nn.Module, mesh: Any, reshard_root: bool = False) -> nn.Module:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is not None:
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-    # The frozen reference only runs forward: free its root's gathered weights after each.
-    fully_shard(model, mesh=mesh, reshard_after_forward=True if reshard_root else None)
-    return model
-
-
-def _reduce(x: float, op: str) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _gather(obj: Any) -> list[Any] | None:
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
@@ -123,9 +103,7 @@ class LearnerService:
         b = cfg.batch_size
         if b % self.world and cfg.algo.name != "grpo":
             raise ValueError(f"learner.batch_size ({b}) must divide by world_size ({self.world})")
-        self.device = torch.device("cuda", self.rank % torch.cuda.device_count()) if (
-            torch.cuda.is_available() and cfg.model.device != "cpu"
-        ) else torch.device("cpu")  # fmt: skip
+        self.device = rank_device(os.environ, torch.cuda.device_count(), cfg.model.device)
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.metrics = LearnerMetrics()
@@ -143,7 +121,7 @@ class LearnerService:
         )
         self.source = BatchSource.from_config(self.ring, cfg)
         self.client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
-        self.tokenizer, self.model, self.reference_model = self._build_models()
+        self.tokenizer, self.model, self.reference_model = build_models(cfg, self.device)
         world = self.world
         self.learner = Learner(
             self.model,
@@ -153,14 +131,15 @@ class LearnerService:
             int(self.tokenizer.eos_token_id),
             self.device,
             reference_model=self.reference_model,
-            reduce=_reduce if world > 1 else None,
+            reduce=reduce_scalar if world > 1 else None,
+            compute_dtype=compute_dtype(cfg.model),
         )
         self.step = UpdateStep(
             self.learner,
             cfg,
             self.ring if self.rank == 0 else None,
             self.metrics.update if self.rank == 0 else None,
-            reduce=_reduce if world > 1 else None,
+            reduce=reduce_scalar if world > 1 else None,
             gather=_gather if world > 1 else None,
         )
         self.writer = JsonlWriter(self.run_dir / "learner.jsonl") if self.rank == 0 else None
@@ -180,21 +159,6 @@ class LearnerService:
             self.load_checkpoint()
 
     # -- building ------------------------------------------------------------------------------
-
-    def _build_models(self) -> tuple[Any, nn.Module, nn.Module]:
-        """The policy and its frozen reference, identical on every rank (rank 0's weights are
-        broadcast before sharding), sharded with FSDP2. Whatever the run's set-up prepared
-        (``services/setup.py``: the pretrained tiny model) is in ``cfg.model`` already."""
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        policy = load_policy(cfg.model.model_copy(update={"device": "cpu"}), cfg.seed)
-        for t in list(policy.model.parameters()) + list(policy.model.buffers()):
-            dist.broadcast(t.data, src=0)
-        model = policy.model.to(self.device)
-        reference = copy.deepcopy(model)  # not a second load of the checkpoint
-        reference.to(self.device).eval().requires_grad_(False)
-        mesh = init_device_mesh(self.device.type, (self.world,))
-        return policy.tokenizer, _shard(model, mesh), _shard(reference, mesh, reshard_root=True)
 
     def _register(self, resume: bool) -> None:
         """Requests made before this learner started are not replayed; the run is registered
@@ -329,7 +293,9 @@ class LearnerService:
 
     def publish(self) -> None:
         t0 = time.perf_counter()
-        sd = self.full_state()
+        # The generators hold the compute dtype: publish in it (half the bytes of the masters).
+        dtype = compute_dtype(self.cfg.model)
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.full_state().items()}
         if self.publisher is not None:
             version = self.learner.step
             done = self.publisher.publish(sd.items(), version)
@@ -497,7 +463,11 @@ def _rank_main(
         signal.signal(sig, lambda _s, _f: early.set())
     _EARLY_STOP.append(early)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),  # (one node: the rank picks its GPU, learner/parallel.py)
     )
     cfg = RunConfig.model_validate_json(cfg_json)
     run_rank(cfg, resume, out, export_only=export)
@@ -520,13 +490,11 @@ def run_rank(
     if not os.environ.get("OMP_NUM_THREADS"):
         world = max(1, int(os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    backend = "nccl" if torch.cuda.is_available() and cfg.model.device != "cpu" else "gloo"
-    if cfg.sync.backend != "auto":
-        backend = cfg.sync.backend
     # Rank 0 may spend up to ~4 sync timeouts in the broadcast hub (a dead worker: the failed
     # collective, then two timeouts of acknowledgements, then the new group) while the other
-    # ranks wait in the next collective.
-    dist.init_process_group(backend, timeout=dt.timedelta(seconds=4 * cfg.sync.timeout_s + 60))
+    # ranks wait in the next collective. (The hub's groups are its own: a dead worker never
+    # stalls this group's collectives, reval/broadcast.py.)
+    init_group(cfg.model.device, cfg.sync.backend, 4 * cfg.sync.timeout_s + 60)
     try:
         service = LearnerService(cfg, resume)
 

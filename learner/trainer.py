@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from buffer.records import Trajectory
+from learner.batches import micro_batches
 from learner.losses import LossOutput, grpo_advantages, grpo_loss, value_loss
 from learner.reference import ReferencePolicy
 from learner.sequence import collate, policy_stats
@@ -43,6 +44,9 @@ class Learner:
     reference's micro-batch count). None in one process. Each rank updates on an equal share of
     the batch; FSDP averages the gradients over ranks, so the value losses' per-share mean is the
     batch mean, and GRPO's token mean divides by the batch's tokens over the world size."""
+    compute_dtype: torch.dtype = torch.float32
+    """``model.dtype``: the forward and backward run in it (``compute_context``); the
+    parameters and AdamW's state stay in their own dtype (fp32 masters)."""
     reference: ReferencePolicy = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
 
@@ -62,6 +66,8 @@ class Learner:
             self.learner_cfg.micro_batch_size,
             model=self.reference_model,
             sync_chunks=sync,
+            max_tokens=self.learner_cfg.max_tokens_per_micro_batch,
+            dtype=self.compute_dtype,
         )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -98,8 +104,12 @@ class Learner:
             self.reference.fill(trajectories, self.device)
         self.optimizer.zero_grad(set_to_none=True)
         bsz = len(trajectories)
-        mbs = self.learner_cfg.micro_batch_size
-        chunks = [trajectories[i : i + mbs] for i in range(0, bsz, mbs)]
+        parts = micro_batches(
+            [(t.prompt_ids.size, t.response_ids.size) for t in trajectories],
+            self.learner_cfg.micro_batch_size,
+            self.learner_cfg.max_tokens_per_micro_batch,
+        )
+        chunks = [[trajectories[i] for i in part] for part in parts]
         batches = [collate(c, self.pad_id, self.eos_id) for c in chunks]
         advantages = None
         denom: float = float(bsz)
@@ -118,11 +128,11 @@ class Learner:
             extra = int(self.reduce(float(len(chunks)), "max")) - len(chunks)
         totals: dict[str, float] = {}
         loss_total = 0.0
-        deltas = []
-        offset = 0
-        for chunk, cpu_batch in zip(chunks, batches, strict=True):
+        delta = torch.zeros(bsz)
+        for part, chunk, cpu_batch in zip(parts, chunks, batches, strict=True):
+            rows = torch.tensor(part)
             batch = cpu_batch.to(self.device)
-            stats = policy_stats(self.model, batch)
+            stats = policy_stats(self.model, batch, self.compute_dtype)
             out: LossOutput
             if advantages is None:
                 slp_ref = torch.tensor([t.ref_logprob_sum for t in chunk], device=self.device)
@@ -136,10 +146,10 @@ class Learner:
                     batch.reward,
                     self.algo.beta,
                     denom,
-                    None if w_all is None else w_all[offset : offset + len(chunk)].to(self.device),
+                    None if w_all is None else w_all[rows].to(self.device),
                 )
             else:
-                adv = advantages[offset : offset + len(chunk)].to(self.device)
+                adv = advantages[rows].to(self.device)
                 out = grpo_loss(
                     stats.logp,
                     stats.logp.detach(),
@@ -156,12 +166,11 @@ class Learner:
             loss_total += float(out.loss.item())
             for k, v in out.metrics.items():
                 totals[k] = totals.get(k, 0.0) + v * len(chunk) / bsz
-            deltas.append(out.delta.cpu())
-            offset += len(chunk)
+            delta[rows] = out.delta.detach().float().cpu()
         if extra > 0:
             idle = batches[0].to(self.device)
             for _ in range(extra):
-                (policy_stats(self.model, idle).slp.sum() * 0.0).backward()
+                (policy_stats(self.model, idle, self.compute_dtype).slp.sum() * 0.0).backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.learner_cfg.grad_clip))
         skipped = not math.isfinite(norm)
@@ -172,4 +181,4 @@ class Learner:
             self.optimizer.step()
             self.step += 1
         metrics = {"loss": loss_total, "grad_norm": norm, "skipped": float(skipped), **totals}
-        return UpdateResult(metrics=metrics, delta=torch.cat(deltas), skipped=skipped)
+        return UpdateResult(metrics=metrics, delta=delta, skipped=skipped)

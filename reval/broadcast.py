@@ -25,9 +25,9 @@ with ``options._timeout``, as ``torch.distributed.new_group`` builds them
 device and broadcast from there; receivers receive into device memory, so a GPU engine loads the
 weights without a host copy. A failed generation's group is aborted (``abort()``) before the next
 forms. Unverified here (no GPU): two processes on two GPUs are needed (NCCL cannot join two
-processes on one device); under ``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s default, NCCL's watchdog
-may end a process whose collective timed out instead of raising (the learner is then restarted
-from its checkpoint by ``reval launch``).
+processes on one device). A timed-out NCCL collective raises rather than ending the process
+(``NCCL_ENV``). The hub's groups are its own (its ``TCPStore``), never the learner's FSDP group:
+a dead worker can stall a sync, never the learner ranks' collectives.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -56,12 +57,31 @@ def _td(seconds: float) -> dt.timedelta:
     return dt.timedelta(seconds=seconds)
 
 
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+"""What a timed-out NCCL collective does, read when each NCCL group is constructed (torch 2.13
+``torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp``: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``,
+``enum ErrorHandlingMode``). Its default, 3 (``SkipCleanUp``), makes the watchdog tear the whole
+process down; 2 (``CleanUpOnly``) aborts the group's communicators and leaves the process, so the
+failure surfaces as an exception (``DistBackendError``, a ``RuntimeError``) from the timed-out
+work or the next collective on that group: the hub's ``sync`` catches it, drops the generation
+and carries on; a learner rank ends through ``run_rank``'s ``finally`` and is restarted from its
+checkpoint. A value the operator set is kept."""
+
+
+def apply_nccl_env() -> None:
+    """Set ``NCCL_ENV``'s defaults in this process's environment (before an NCCL group)."""
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def make_group(backend: str, store: Any, rank: int, size: int, timeout_s: float) -> Any:
     """A process group outside the default world (gloo or NCCL) over ``store``."""
     if backend == "gloo":
         return ProcessGroupGloo(store, rank, size, _td(timeout_s))
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
+
+        apply_nccl_env()
 
         opts = ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = False

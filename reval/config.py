@@ -64,7 +64,11 @@ class ModelConfig(_Section):
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     """Shape of the tiny model (used only when ``name_or_path`` is ``None``)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype. fp32 on CPU (bf16 is ~3x slower there); bf16 on GPU."""
+    """Compute dtype. The learner keeps fp32 master parameters and optimizer state and computes
+    in this dtype (autocast; under ``reval learner`` FSDP2's ``MixedPrecisionPolicy`` also
+    gathers the parameters in it and reduces the gradients in fp32); the frozen reference and the
+    generators (vLLM, a worker's HF engine) hold their weights in it. fp32 on CPU (bf16 is ~3x
+    slower there); bf16 on GPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the learner and the in-process generator run; ``auto`` picks cuda when present."""
     pretrain_steps: int = Field(0, ge=0)
@@ -206,6 +210,12 @@ class LearnerConfig(_Section):
     rather than a uniform sample from the buffer (its §4.3)."""
     micro_batch_size: int = Field(64, ge=1)
     """Trajectories per forward/backward; gradients accumulate to the full-batch gradient."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Tokens per forward/backward as padded (trajectories x (longest prompt + longest
+    response)), besides ``micro_batch_size``; the trajectories are then bucketed by length. Bounds
+    the activations of long answers (the log-probs never hold [B, T, V] logits at once anyway:
+    ``learner/sequence.py``). ``None``: no token budget. A trajectory longer than it is an
+    error."""
     lr: float = Field(1e-6, gt=0)
     """AdamW learning rate (the paper: 1e-6)."""
     weight_decay: float = Field(0.0, ge=0)

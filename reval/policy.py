@@ -183,10 +183,23 @@ def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def compute_dtype(cfg: ModelConfig) -> torch.dtype:
+    """``model.dtype``: what the learner computes in and the generators hold their weights in;
+    the policy's parameters (the learner's masters) are fp32 whatever it is."""
+    return _DTYPES[cfg.dtype]
+
+
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Activation checkpointing, non-reentrant: the reentrant variant does not compose with
+    FSDP2 (it reruns the forward outside autograd's view of the sharded parameters) and warns
+    on every step in recent torch."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
-    """Build or load the policy model and its tokenizer on the configured device."""
+    """Build or load the policy model (fp32 parameters: ``compute_dtype``) and its tokenizer
+    on the configured device."""
     device = resolve_device(cfg.device)
-    dtype = _DTYPES[cfg.dtype]
     if cfg.name_or_path is None:
         tokenizer: PreTrainedTokenizerBase = build_char_tokenizer()
         model: PreTrainedModel = build_tiny_model(
@@ -196,13 +209,12 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
             eos_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
             seed=seed,
         )
-        model = model.to(dtype=dtype)
     else:
         tokenizer = _load_tokenizer(cfg.name_or_path)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=torch.float32)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     model.to(device)
     return Policy(model=model, tokenizer=tokenizer, device=device)

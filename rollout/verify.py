@@ -473,7 +473,7 @@ class VerifierPool:
 
         if importlib.util.find_spec("math_verify") is None:
             raise ImportError(
-                "VerifierPool needs math-verify: pip install 'math-verify[antlr4_13_2]'"
+                "VerifierPool needs math-verify: pip install 'math-verify[antlr4-13-2]'"
             )
         if workers < 1 or timeout <= 0:
             raise ValueError("workers >= 1 and timeout > 0")

@@ -36,7 +36,7 @@ from reval import registry
 from reval.config import RunConfig
 from reval.control import RunControl
 from reval.metrics import PREFIX
-from reval.policy import load_policy
+from reval.policy import compute_dtype, load_policy
 from reval.weight_sync import build_subscriber
 from rollout.collect import collect_round
 from rollout.dealer import PromptDealer
@@ -160,7 +160,7 @@ def build_engine(
         engine.checkpoint_dir = tmp  # (kept while the engine lives; removed with it)
         return engine, engine.tokenizer
     policy = load_policy(cfg.model, seed)
-    policy.model.eval()
+    policy.model.to(compute_dtype(cfg.model)).eval()  # (it only generates: no fp32 masters)
     return HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device), policy.tokenizer
 
 

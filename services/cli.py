@@ -140,6 +140,12 @@ def _parser() -> argparse.ArgumentParser:
     from services.make_model import add_parser as add_make
 
     add_make(sub)
+    from services.compose import add_parser as add_compose
+
+    add_compose(sub)
+    from services.doctor import add_parser as add_doctor
+
+    add_doctor(sub)
     return p
 
 
@@ -301,6 +307,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.make_model import main as make_main
 
         return make_main(args)
+    if args.command == "compose":
+        from services.compose import main as compose_main
+
+        return compose_main(args)
+    if args.command == "doctor":
+        from services.doctor import main as doctor_main
+
+        return doctor_main(args)
     algo = getattr(args, "algo", None)
     overrides = list(ALGO_OVERRIDES.get(algo, [])) + list(args.overrides)
     if getattr(args, "engine", None):

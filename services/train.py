@@ -28,6 +28,7 @@ from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
 from reval.config import RunConfig, dump_config
 from reval.metrics import JsonlWriter, TrainMetrics
+from reval.policy import compute_dtype
 from rollout.collect import collect_round, evaluate
 from rollout.dealer import PromptDealer
 from rollout.engines import HFEngine, SamplingParams
@@ -74,7 +75,13 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
     policy, task, info = build_policy_and_task(cfg, metrics.registry)
     engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device)
     learner = Learner(
-        policy.model, cfg.learner, cfg.algo, policy.pad_id, policy.eos_id, policy.device
+        policy.model,
+        cfg.learner,
+        cfg.algo,
+        policy.pad_id,
+        policy.eos_id,
+        policy.device,
+        compute_dtype=compute_dtype(cfg.model),
     )
     # A fresh run: a Redis run of the same name starts empty.
     buffer = make_buffer(

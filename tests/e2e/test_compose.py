@@ -1,10 +1,10 @@
-"""docker-compose.yml, validated and run without Docker: the compose file passes
-``docker-compose config`` (Debian's package) and the compose-spec JSON schema
-(``check-jsonschema``), and the commands of its api, learner and rollout services run here as
-local processes with the services' own environment, pointed at loopback (the test's Redis and
-key prefix, free ports, a temporary /runs, the CPU demo config). The run is then steered through
-the API like a deployment would be: health and readiness of every process, the run visible in
-the API, a live change, a stop that drains the worker."""
+"""docker-compose.yml, validated and run without Docker: the compose file, and the one
+``reval compose`` writes for an 8-GPU node, pass ``docker-compose config`` (Debian's package) and
+the compose-spec JSON schema (``check-jsonschema``), and the commands of its api, learner and
+rollout services run here as local processes with the services' own environment, pointed at
+loopback (the test's Redis and key prefix, free ports, a temporary /runs, the CPU demo config).
+The run is then steered through the API like a deployment would be: health and readiness of
+every process, the run visible in the API, a live change, a stop that drains the worker."""
 
 from __future__ import annotations
 
@@ -35,28 +35,65 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def compose_config(**env: str) -> dict:
+def compose_config(path: Path = ROOT / "docker-compose.yml", **env: str) -> dict:
     tool = shutil.which("docker-compose")
     if tool is None:
         pytest.fail("docker-compose is not installed (`make test` runs scripts/ensure_tools.sh)")
-    done = subprocess.run([tool, "-f", str(ROOT / "docker-compose.yml"), "config"],
+    done = subprocess.run([tool, "-f", str(path), "--project-directory", str(ROOT), "config"],
                           capture_output=True, text=True, env={**os.environ, **env})  # fmt: skip
     assert done.returncode == 0, done.stderr
     return dict(yaml.safe_load(done.stdout))
 
 
+def schema_check(path: Path) -> None:
+    schema = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
+         str(path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert schema.returncode == 0, schema.stdout + schema.stderr
+
+
+def gpu_ids(service: dict) -> list[str]:
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert all("count" not in d for d in devices), devices  # count: N takes the first N GPUs
+    return [str(i) for d in devices for i in d["device_ids"]]
+
+
+def test_generated_compose_for_8_gpus_is_valid_and_shares_no_gpu(tmp_path):
+    out = tmp_path / "docker-compose.gpu8.yml"
+    cmd = [sys.executable, "-m", "services.cli", "compose", "--gpus", "8", "--learner-gpus", "4",
+           "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    schema_check(out)
+    services = compose_config(out, **SECRETS)["services"]
+    rollouts = sorted(n for n in services if n.startswith("rollout-"))
+    assert rollouts == [f"rollout-{i}" for i in range(4)] and "eval" not in services
+    gpu_services = [n for n, s in services.items() if "deploy" in s and n != "ray-head"]
+    assert sorted(gpu_services) == sorted(["learner", *rollouts])
+    ids = [i for n in gpu_services for i in gpu_ids(services[n])]
+    assert sorted(ids, key=int) == [str(i) for i in range(8)]  # every GPU once: none shared
+    assert gpu_ids(services["learner"]) == ["0", "1", "2", "3"]
+    assert services["learner"]["environment"]["REVAL__LEARNER__WORLD_SIZE"] == "4"
+    for name in gpu_services:  # NCCL and vLLM need more than Docker's 64 MB of /dev/shm
+        assert services[name].get("shm_size") or services[name].get("ipc") == "host", name
+    for name in rollouts:  # Prometheus scrapes the DNS name `rollout` (one A record each)
+        assert "rollout" in services[name]["networks"]["default"]["aliases"]
+        assert gpu_ids(services[name]) == [str(4 + int(name.split("-")[1]))]
+
+
 def test_compose_file_is_valid():
     cfg = compose_config(**SECRETS)
     services = cfg["services"]
-    assert set(services) == {"redis", "api", "learner", "rollout", "prometheus", "grafana",
+    assert set(services) == {"redis", "api", "learner", "rollout-0", "prometheus", "grafana",
                              "ray-head", "eval"}  # fmt: skip
     assert services["ray-head"]["profiles"] == ["ray"]  # opt-in
     assert services["eval"]["profiles"] == ["eval"]
-    # LEARNER_GPUS sets both the GPUs reserved and the learner's ranks.
-    learner = compose_config(**SECRETS, LEARNER_GPUS="4")["services"]["learner"]
-    assert learner["environment"]["REVAL__LEARNER__WORLD_SIZE"] == "4"
-    assert int(learner["deploy"]["resources"]["reservations"]["devices"][0]["count"]) == 4
-    for name in ("redis", "api", "learner", "rollout", "prometheus"):
+    # One GPU each, none shared; the learner runs a rank per GPU it reserves.
+    assert [gpu_ids(services[n]) for n in ("learner", "rollout-0", "eval")] == [["0"], ["1"], ["2"]]
+    assert services["learner"]["environment"]["REVAL__LEARNER__WORLD_SIZE"] == "1"
+    for name in ("redis", "api", "learner", "rollout-0", "prometheus"):
         assert "healthcheck" in services[name], name
     assert services["api"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert services["learner"]["deploy"]["resources"]["reservations"]["devices"][0][
@@ -69,12 +106,7 @@ def test_compose_file_is_valid():
     done = subprocess.run([tool, "-f", str(ROOT / "docker-compose.yml"), "config"],
                           capture_output=True, text=True, env=env)  # fmt: skip
     assert done.returncode != 0 and "REVAL_API_TOKEN" in done.stderr
-    schema = subprocess.run(
-        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
-         str(ROOT / "docker-compose.yml")],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert schema.returncode == 0, schema.stdout + schema.stderr
+    schema_check(ROOT / "docker-compose.yml")
 
 
 def local(service: dict, tmp: Path, redis_url: str, prefix: str, ports: dict[int, int]):
@@ -124,9 +156,9 @@ def test_compose_services_run_as_local_processes(tmp_path, redis_url, redis_pref
     procs: dict[str, subprocess.Popen[bytes]] = {}
     extra = {"learner": ["--set", "learner.max_steps=100000", "--set", "model.pretrain_steps=100",
                          "--set", "learner.checkpoint_every=5"],
-             "rollout": ["--set", "model.pretrain_steps=100"]}  # fmt: skip
+             "rollout-0": ["--set", "model.pretrain_steps=100"]}  # fmt: skip
     try:
-        for name in ("api", "learner", "rollout"):
+        for name in ("api", "learner", "rollout-0"):
             cmd, env = local(services[name], tmp_path, redis_url, redis_prefix, ports)
             log = (tmp_path / f"{name}.log").open("wb")
             procs[name] = subprocess.Popen([*cmd, *extra.get(name, [])], cwd=ROOT, env=env,
@@ -152,7 +184,7 @@ def test_compose_services_run_as_local_processes(tmp_path, redis_url, redis_pref
                              read_jsonl(tmp_path / "runs" / "composed" / "learner.jsonl")),
                  60, "the new learning rate", listed)  # fmt: skip
         assert httpx.post(f"{api}/v1/runs/composed/stop", headers=auth).status_code == 202
-        for name in ("learner", "rollout"):
+        for name in ("learner", "rollout-0"):
             procs[name].wait(180)
             assert procs[name].returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         final = httpx.get(f"{api}/v1/runs/composed").json()

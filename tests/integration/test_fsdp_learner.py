@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from learner.batches import split_shares
 from learner.losses import grpo_advantages
-from learner.service import _reduce, _shard
+from learner.parallel import reduce_scalar, shard
 from learner.trainer import Learner
 from reval.config import AlgoConfig, LearnerConfig, ModelConfig
 from reval.policy import load_policy
@@ -64,9 +64,11 @@ def _rank(rank: int, world: int, port: int, algo: str, out: str) -> None:
         torch.set_num_threads(1)
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (world,))
-        model = _shard(load_policy(ModelConfig(device="cpu"), seed=0).model, mesh)
-        ref = _shard(load_policy(ModelConfig(device="cpu"), seed=0).model, mesh, reshard_root=True)
-        learner = learner_for(model, algo, reference_model=ref, reduce=_reduce)
+        f32 = torch.float32
+        model = shard(load_policy(ModelConfig(device="cpu"), seed=0).model, mesh, f32)
+        ref = load_policy(ModelConfig(device="cpu"), seed=0).model
+        ref = shard(ref, mesh, f32, reshard_root=True)
+        learner = learner_for(model, algo, reference_model=ref, reduce=reduce_scalar)
         shares = split_shares(batch(uneven=algo == "grpo"), world, whole_groups=algo == "grpo")
         if rank == 1 and algo != "grpo":
             # Uneven stale counts (rank 1's share comes with cached reference quantities, rank

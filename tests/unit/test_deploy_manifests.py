@@ -61,12 +61,12 @@ def test_rayservice_builds_the_api():
 
 def test_compose_commands_parse():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    for name in ("api", "learner", "rollout", "eval"):
+    for name in ("api", "learner", "rollout-0", "eval"):
         default = "${REVAL_CONFIG:-r1_distill_qwen_1p5b.toml}"
         raw = compose["services"][name]["command"]
         command = [c.replace(default, "r1_distill_qwen_1p5b.toml") for c in raw]
         args = parse(command)
-        assert args.command == {"api": "serve", "learner": "learner", "rollout": "rollout",
+        assert args.command == {"api": "serve", "learner": "learner", "rollout-0": "rollout",
                                 "eval": "eval"}[name]  # fmt: skip
     default = "${REVAL_CONFIG:-r1_distill_qwen_1p5b.toml}"
     ev = parse([c.replace(default, "r1_distill_qwen_1p5b.toml") for c in
@@ -79,8 +79,8 @@ def test_compose_commands_parse():
     ).resume_if_any  # a restarted container resumes  # fmt: skip
     # The learner runs one rank per GPU it reserves.
     learner = compose["services"]["learner"]
-    gpus = learner["deploy"]["resources"]["reservations"]["devices"][0]["count"]
-    assert learner["environment"]["REVAL__LEARNER__WORLD_SIZE"] == gpus
+    gpus = learner["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    assert learner["environment"]["REVAL__LEARNER__WORLD_SIZE"] == str(len(gpus))
 
 
 def test_resume_if_any_resumes_only_a_run_with_a_checkpoint(tmp_path):

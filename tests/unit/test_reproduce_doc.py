@@ -7,6 +7,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from reval.config import load_config
 from services.cli import _parser
 
@@ -43,3 +45,31 @@ def test_the_guide_uses_the_presets_of_the_compose_file():
         cfg = load_config(str(ROOT / "configs" / preset), [], environ={})
         assert cfg.learner.rounds == 650 and cfg.rollout.engine == "vllm"
     assert "--profile eval" in text
+
+
+def test_the_learner_estimate_follows_from_its_own_figures():
+    """The worked estimate of seconds per update: its FLOPs and times are recomputed from the
+    table's N, L, d and tokens (6N + 6·L·d·T to train, 2 x (2N + 2·L·d·T) for the recompute and
+    the reference, 4 H100s at 989 TFLOPS and the stated MFU), so an edit cannot leave them
+    inconsistent; and it says that it is an estimate."""
+    text = DOC.read_text()
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:4]]
+        for line in text.splitlines()
+        if line.startswith("  | ")
+    }
+    mfu = float(re.search(r"at (\d+)% MFU", text).group(1)) / 100
+    assert "a worked estimate" in text and "not a measurement" in text
+    for col in (0, 1):
+        n, layers, width = re.match(r"([\d.e]+) \((\d+), (\d+)\)", rows["N (L, d)"][col]).groups()
+        big_n, L, d = float(n), int(layers), int(width)
+        t = float(rows["tokens per trajectory (prompt + answer)"][col].split("=")[-1]
+                  .replace(",", ""))  # fmt: skip
+        per_token = 6 * big_n + 6 * L * d * t + 2 * (2 * big_n + 2 * L * d * t)
+        flops = per_token * 1024 * t
+        assert float(rows["FLOPs per update"][col]) == pytest.approx(flops, rel=0.02)
+        secs = flops / (4 * 989e12 * mfu)
+        row = next(v for k, v in rows.items() if k.startswith("seconds per update"))
+        assert float(row[col].strip("~ s")) == pytest.approx(secs, rel=0.03)
+        hours = float(rows["1,300 updates (650 iterations x K = 2)"][col].strip("~ h"))
+        assert hours == pytest.approx(1300 * secs / 3600, rel=0.05)

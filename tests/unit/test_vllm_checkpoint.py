@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import transformers
 from transformers import AutoTokenizer
 
 from reval.config import load_config
@@ -30,12 +31,13 @@ def test_the_tokenizer_reloads_as_itself(tmp_path: Path) -> None:
         assert loaded(text, add_special_tokens=False).input_ids == ids, text
         assert loaded.decode(ids) == text
     assert (loaded.eos_token_id, loaded.pad_token_id) == (char.eos_token_id, char.pad_token_id)
-    # Beside the model's config.json, transformers loads it as Qwen2's tokenizer, which drops
+    # Beside the model's config.json, transformers 5 loads it as Qwen2's tokenizer, which drops
     # spaces: the reason for the separate directory (if this starts to pass, it is no longer
-    # needed).
+    # needed). transformers 4.56, the floor (make test-floors), keeps the saved class there.
     char.save_pretrained(model_dir)
     beside = AutoTokenizer.from_pretrained(model_dir)
-    assert beside(" a b ", add_special_tokens=False).input_ids != char(" a b ").input_ids
+    same = beside(" a b ", add_special_tokens=False).input_ids == char(" a b ").input_ids
+    assert same == (int(transformers.__version__.split(".")[0]) < 5), transformers.__version__
 
 
 def test_a_head_size_vllm_cannot_run_is_refused_with_the_fix(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The same code path on a CUDA device (bf16 model, fp32 statistics). Marked ``gpu``: not in the
-default run; run with ``pytest -m gpu`` on a GPU machine."""
+default run; ``make gpu-smoke`` runs it with the rest of ``tests/gpu`` on a GPU machine, and it
+is skipped, never failed, where no CUDA device is visible (like the whole suite)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,10 @@ import torch
 from reval.config import load_config
 from services.train import train
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _needs_cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("the gpu tests need a CUDA device; run them with -m gpu on a GPU machine")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def test_short_training_on_cuda_bf16(tmp_path):

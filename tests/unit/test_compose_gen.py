@@ -1,0 +1,80 @@
+"""``reval compose`` (services/compose.py): the checked-in docker-compose.yml is the generator's
+output for its default layout (one source), every layout pins each GPU to one service, and a
+layout that does not fit the node is refused with what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.cli import main
+from services.compose import DEFAULT_LAYOUT, Layout, compose_dict, compose_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_checked_in_compose_file_is_the_generators_default_layout():
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert text == compose_text(DEFAULT_LAYOUT), (
+        "docker-compose.yml differs from services/compose.py: regenerate it with `"
+        + DEFAULT_LAYOUT.command()
+        + " --out docker-compose.yml`"
+    )
+    assert yaml.safe_load(text) == compose_dict(DEFAULT_LAYOUT)
+
+
+def reserved(service: dict) -> list[str]:
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert "count" not in device  # `count: 1` on several services hands each the first GPU
+    return list(device["device_ids"])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(8, 4), Layout(8, 4, 1), Layout(2, 1), Layout(3, 1, 1), Layout(16, 8, 2)],
+    ids=lambda lay: lay.command(),
+)
+def test_each_gpu_goes_to_one_service(layout: Layout):
+    services = yaml.safe_load(compose_text(layout))["services"]
+    pinned = {n: reserved(s) for n, s in services.items() if "deploy" in s and n != "ray-head"}
+    ids = [i for gpus in pinned.values() for i in gpus]
+    assert sorted(ids, key=int) == [str(i) for i in range(layout.gpus)]  # all used, none twice
+    assert len(pinned["learner"]) == layout.learner_gpus
+    assert services["learner"]["environment"]["REVAL__LEARNER__WORLD_SIZE"] == str(
+        layout.learner_gpus
+    )
+    workers = [n for n in services if n.startswith("rollout-")]
+    assert len(workers) == layout.gpus - layout.learner_gpus - layout.eval_gpus
+    assert ("eval" in services) == (layout.eval_gpus > 0)
+    for name in pinned:
+        assert services[name]["shm_size"]  # NCCL and vLLM use /dev/shm
+    # The same environment and addresses as every other layout: only the GPUs differ.
+    base = yaml.safe_load(compose_text(DEFAULT_LAYOUT))["services"]
+    assert services["learner"]["command"] == base["learner"]["command"]
+    assert services["rollout-0"]["environment"] == base["rollout-0"]["environment"]
+    assert services["learner"]["environment"]["REVAL__SYNC__BROADCAST_HOST"] == "auto"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--gpus", "4", "--learner-gpus", "4"], "no GPU for a rollout worker"),
+        (["--gpus", "4", "--learner-gpus", "0"], "the learner needs >= 1 GPU"),
+        (["--gpus", "4", "--learner-gpus", "2", "--eval-gpus", "2"], "fewer learner/eval"),
+    ],
+)
+def test_a_layout_that_does_not_fit_is_refused(argv, says, tmp_path, capsys):
+    out = tmp_path / "compose.yml"
+    assert main(["compose", *argv, "--out", str(out)]) == 2
+    assert says in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_cli_writes_the_file(tmp_path, capsys):
+    out = tmp_path / "compose.yml"
+    assert main(["compose", "--gpus", "8", "--learner-gpus", "4", "--out", str(out)]) == 0
+    assert out.read_text() == compose_text(Layout(8, 4))
+    assert main(["compose", "--gpus", "8", "--learner-gpus", "4"]) == 0
+    assert capsys.readouterr().out == compose_text(Layout(8, 4))
