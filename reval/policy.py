@@ -17,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -27,7 +36,7 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from reval.config import ModelConfig, TinyModelConfig
 
@@ -74,11 +83,16 @@ QWEN_CHAT_TEMPLATE = (
 ``<|im_start|>role\\n...<|im_end|>\\n``, the generation prompt ``<|im_start|>assistant\\n``."""
 
 
-def build_bpe_tokenizer(texts: list[str], vocab_size: int = 1024) -> Qwen2Tokenizer:
-    """A byte-level BPE tokenizer trained on ``texts`` with Qwen2's normalizer, pre-tokenizer and
-    decoder (those ``Qwen2Tokenizer`` builds when it loads), so that a saved copy loads through
-    ``AutoTokenizer`` exactly as written. Every byte is a token (any text round-trips); the
-    special tokens follow the learned vocabulary (at most ``vocab_size`` tokens in all)."""
+def build_bpe_tokenizer(
+    texts: list[str], out: str | Path, vocab_size: int = 1024
+) -> PreTrainedTokenizerBase:
+    """Train a byte-level BPE tokenizer on ``texts``, write it to ``out`` as a hub checkpoint's
+    tokenizer (``tokenizer.json`` + a ``tokenizer_config.json`` naming ``Qwen2Tokenizer``, as
+    Qwen2.5's does) and load it back through ``AutoTokenizer``. The normalizer, pre-tokenizer and
+    decoder are Qwen2's (the ones ``Qwen2Tokenizer`` builds), so the copy loads as written on
+    transformers 4 (``Qwen2TokenizerFast`` from the file) and 5. Every byte is a token (any text
+    round-trips); Qwen's special tokens follow the learned vocabulary (at most ``vocab_size``
+    tokens in all)."""
     bpe = Tokenizer(
         models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
                    fuse_unk=False, byte_fallback=False)
@@ -96,22 +110,26 @@ def build_bpe_tokenizer(texts: list[str], vocab_size: int = 1024) -> Qwen2Tokeni
         show_progress=False,
     )
     bpe.train_from_iterator(texts, trainer)
-    model = json.loads(bpe.to_str())["model"]
-    vocab: dict[str, int] = dict(model["vocab"])
-    for token in QWEN_SPECIALS:
-        vocab[token] = len(vocab)
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    tok = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        extra_special_tokens=[IM_START],
-    )
-    tok.chat_template = QWEN_CHAT_TEMPLATE
-    tok.padding_side = "left"
-    return tok
+    bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "bos_token": None,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "split_special_tokens": False,
+        "model_max_length": 32768,
+        "chat_template": QWEN_CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return _load_tokenizer(str(out))
 
 
 def build_tiny_model(

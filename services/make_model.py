@@ -112,7 +112,8 @@ def make_model(
     if not Path(data).is_file():
         raise FileNotFoundError(f"--data {data}: no such file")
     rows = [dict(r) for r in read_rows(str(data))]
-    tokenizer = build_bpe_tokenizer(corpus_texts(rows), vocab_size)
+    out = Path(out)
+    tokenizer = build_bpe_tokenizer(corpus_texts(rows), out, vocab_size)  # written to out
     model = build_tiny_model(
         shape, len(tokenizer), int(tokenizer.pad_token_id), int(tokenizer.eos_token_id), seed
     )
@@ -130,10 +131,7 @@ def make_model(
         info["pretrain_loss"] = pretrain(
             policy, task, pretrain_steps, pretrain_lr, pretrain_batch_size, seed
         )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     (out / "make_model.json").write_text(json.dumps(info, indent=2) + "\n")
     log.info("checkpoint written: %s", json.dumps(info))
     return info

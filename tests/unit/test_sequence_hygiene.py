@@ -67,8 +67,8 @@ def test_learner_pads_right_and_masks_by_length_when_pad_is_eos() -> None:
     assert b.attention_mask[1].tolist() == [0, 0, 1, 1, 0, 0]
 
 
-def test_bpe_checkpoint_eos_is_not_pad() -> None:
-    tok = build_bpe_tokenizer(corpus(generate(5, seed=0)), vocab_size=300)
+def test_bpe_checkpoint_eos_is_not_pad(tmp_path: Path) -> None:
+    tok = build_bpe_tokenizer(corpus(generate(5, seed=0)), tmp_path, vocab_size=300)
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     assert tok.eos_token_id != tok.pad_token_id
 
@@ -76,7 +76,7 @@ def test_bpe_checkpoint_eos_is_not_pad() -> None:
 def test_too_long_prompts_skipped_counted_and_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    tok = build_bpe_tokenizer(corpus(generate(20, seed=0)), vocab_size=400)
+    tok = build_bpe_tokenizer(corpus(generate(20, seed=0)), tmp_path / "tok", vocab_size=400)
     short, long = "What is 1+1?", "What is 1+1? " + "Think about it. " * 30
     write_jsonl(tmp_path / "d.jsonl", [{"problem": short, "answer": "2"},
                                        {"problem": long, "answer": "2"}])  # fmt: skip
