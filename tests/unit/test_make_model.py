@@ -141,3 +141,22 @@ def test_make_model_pretrains_the_format(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "m" / "make_model.json").read_text())
     assert saved == info and info["pretrain_steps"] == 3
     assert info["pretrain_loss"] == info["pretrain_loss"]  # a number, not nan
+
+
+def test_format_pretraining_teaches_the_shape_not_the_answer() -> None:
+    import random
+
+    from rollout.math_task import MathTask, answer_shape
+    from rollout.verify import last_boxed_answer
+
+    rows = generate(30, seed=1)
+    task = MathTask.from_rows(rows)
+    gold = {p.text: p.answer for p in task.prompts}
+    texts = task.pretrain_texts(random.Random(0), 120)
+    same = 0
+    for text in texts:
+        problem, _, _ = text.rpartition(" \\boxed{")
+        answer = last_boxed_answer(text)
+        assert answer is not None and answer_shape(answer) == answer_shape(gold[problem])
+        same += answer == gold[problem]
+    assert same < len(texts) / 3  # mostly another problem's answer
