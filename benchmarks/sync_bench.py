@@ -51,10 +51,11 @@ def _hub_pair(rank: int, bucket_bytes: int) -> tuple[Any, Any]:
     hub = recv = None
     if rank == 0:
         hub = BroadcastHub(0, host="127.0.0.1", timeout_s=120, bucket_bytes=bucket_bytes)
-    port = [hub.port if hub is not None else None]
-    dist.broadcast_object_list(port, src=0)
+    where = [(hub.port, hub.secret) if hub is not None else None]
+    dist.broadcast_object_list(where, src=0)
     if rank == 1:
-        recv = BroadcastReceiver("127.0.0.1", int(port[0]), "bench", timeout_s=120)
+        port, secret = where[0]
+        recv = BroadcastReceiver("127.0.0.1", int(port), "bench", secret, timeout_s=120)
     dist.barrier()
     if hub is not None:
         while int(hub.store.add("tickets", 0)) < 1:

@@ -49,7 +49,7 @@ from safetensors.torch import load_file
 from reval.broadcast import BroadcastHub
 weights = load_file(os.path.join(sys.argv[1], "model.safetensors"))
 hub = BroadcastHub(0, host="127.0.0.1", timeout_s=120, bucket_bytes=64 << 20)
-print(hub.port, flush=True)
+print(f"{hub.port}/{hub.secret}", flush=True)
 for line in sys.stdin:
     while int(hub.store.add("tickets", 0)) < 1:
         time.sleep(0.01)
@@ -85,7 +85,7 @@ def bench(name: str, syncs: int) -> dict[str, float]:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )  # fmt: skip
         assert learner.stdin is not None and learner.stdout is not None
-        port = int(learner.stdout.readline())
+        port = learner.stdout.readline().strip()  # (port/secret)
         assert engine.join_broadcast(f"gloo://127.0.0.1:{port}", "bench", 120.0)
         sync_s, total_s, load_s = [], [], []
         for v in range(1, syncs + 1):

@@ -12,7 +12,7 @@ from buffer.base import (
     SampleTimeout,
 )
 from buffer.metrics import BufferMetrics
-from buffer.records import RecordError, Trajectory, decode, encode
+from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory, decode, encode
 from buffer.ring import MemoryRing
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "BufferUnavailable",
     "MemoryRing",
     "RecordError",
+    "RecordLimits",
     "ReplayBuffer",
     "SampleTimeout",
     "SampledBatch",
@@ -38,10 +39,12 @@ def make_buffer(
     metrics: BufferMetrics | None = None,
     reset: bool = False,
     samples_per_insert: float | None = None,
+    limits: RecordLimits = NO_LIMITS,
 ) -> ReplayBuffer:
     """The buffer a ``BufferConfig`` describes, for run ``run`` (``reset``: start it empty,
     whatever a previous run of the same id left in Redis; ``samples_per_insert``: the run's K,
-    ``RunConfig.samples_per_insert``, when the section leaves it unset)."""
+    ``RunConfig.samples_per_insert``, when the section leaves it unset; ``limits``: what the
+    consumer does with a record, a record beyond them is quarantined)."""
     spi = cfg.samples_per_insert if cfg.samples_per_insert is not None else samples_per_insert
     common: dict[str, Any] = {
         "samples_per_insert": spi,
@@ -53,6 +56,7 @@ def make_buffer(
         "priority_beta": cfg.priority_beta,
         "priority_eps": cfg.priority_eps,
         "metrics": metrics,
+        "limits": limits,
     }
     if cfg.backend == "memory":
         return MemoryRing(cfg.capacity, seed=seed or 0, **common)

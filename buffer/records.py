@@ -51,6 +51,50 @@ class RecordError(ValueError):
     """A record that is malformed; nothing of it is stored."""
 
 
+@dataclass(frozen=True, slots=True)
+class RecordLimits:
+    """What the consumer will do with a record, beyond what the wire format checks: a record
+    that decodes but would crash or derail the learner (a token id past its embedding, a reward
+    of 1e30) fails these and is quarantined like any damaged record."""
+
+    vocab_size: int | None = None
+    """Token ids must be below this: the rows of the learner's embedding (None: unchecked)."""
+    reward_bound: float | None = None
+    """``|reward|`` and ``|reward_raw|`` may not exceed this (None: unchecked)."""
+
+    def check(self, t: Trajectory) -> None:
+        """Raise RecordError naming the first limit the (otherwise valid) record breaks."""
+        vocab = self.vocab_size
+        if vocab is not None:
+            top = max(int(t.prompt_ids.max()), int(t.response_ids.max()))
+            if top >= vocab:
+                raise RecordError(f"token id {top} >= the vocabulary size {vocab}")
+        bound = self.reward_bound
+        if bound is not None:
+            for name in ("reward", "reward_raw"):
+                if abs(getattr(t, name)) > bound:
+                    raise RecordError(f"{name} {getattr(t, name)!r} outside [-{bound}, {bound}]")
+
+    def batch_ok(
+        self, prompt_ids: IntArray, response_ids: IntArray, rewards: Sequence[Sequence[float]]
+    ) -> bool:
+        """Whether a whole batch (its joined token arrays, its reward columns) is within."""
+        vocab = self.vocab_size
+        if vocab is not None and (
+            (prompt_ids.size and int(prompt_ids.max()) >= vocab)
+            or (response_ids.size and int(response_ids.max()) >= vocab)
+        ):
+            return False
+        bound = self.reward_bound
+        return bound is None or all(
+            not col or float(np.abs(np.asarray(col, dtype=np.float64)).max()) <= bound
+            for col in rewards
+        )
+
+
+NO_LIMITS = RecordLimits()
+
+
 # -- wire kinds ---------------------------------------------------------------------------------
 
 
@@ -147,8 +191,8 @@ class Trajectory:
     def __post_init__(self) -> None:
         _coerce_arrays(self)  # contiguous arrays of each array field's dtype
 
-    def validate(self) -> None:
-        """Raise RecordError if the record cannot be used."""
+    def validate(self, limits: RecordLimits = NO_LIMITS) -> None:
+        """Raise RecordError if the record cannot be used (``limits``: also by this consumer)."""
         if self.prompt_ids.ndim != 1 or self.response_ids.ndim != 1 or self.logprobs.ndim != 1:
             raise RecordError("token and log-prob arrays must be one-dimensional")
         if self.prompt_ids.size == 0:
@@ -167,6 +211,8 @@ class Trajectory:
             raise RecordError("log-probs must be finite and <= 0")
         if not _scalars_ok(self):
             _raise_scalar_error(self)
+        if limits is not NO_LIMITS:
+            limits.check(self)
 
     # -- wire form ---------------------------------------------------------------------------
 
@@ -455,13 +501,15 @@ def _check_obj(obj: Any) -> tuple[Any, ...]:
     return obj
 
 
-def _build_checked(objs: Sequence[tuple[Any, ...]]) -> list[Trajectory] | None:
+def _build_checked(
+    objs: Sequence[tuple[Any, ...]], limits: RecordLimits = NO_LIMITS
+) -> list[Trajectory] | None:
     """Trajectories from wire tuples of the right length and version, validated as a batch,
     column by column: the exact types of every field, the array sizes, each kind's checks
     (finite values, counters, choices), then the token ids and log-probs of the whole batch at
-    once. Each record's arrays are read-only views of the batch's joined arrays (one
-    ``frombuffer`` per column instead of one per record and field). None if any record fails a
-    check (the caller then finds which, one by one)."""
+    once, and the consumer's ``limits``. Each record's arrays are read-only views of the batch's
+    joined arrays (one ``frombuffer`` per column instead of one per record and field). None if
+    any record fails a check (the caller then finds which, one by one)."""
     if not objs:
         return []
     cols: list[Sequence[Any]] = list(zip(*objs, strict=True))
@@ -499,6 +547,10 @@ def _build_checked(objs: Sequence[tuple[Any, ...]]) -> list[Trajectory] | None:
     pa, ra, la = joined["prompt_ids"], joined["response_ids"], joined["logprobs"]
     if pa.min() < 0 or ra.min() < 0 or not (la.min() > -np.inf and la.max() <= 1e-4):
         return None  # (NaN fails both comparisons)
+    if limits is not NO_LIMITS and not limits.batch_ok(
+        pa, ra, [cols[_COLUMN["reward"]], cols[_COLUMN["reward_raw"]]]
+    ):
+        return None
     # One list of offsets per array field; the log-probs share the response's (equal sizes).
     r_at = [0, *np.cumsum(n_r).tolist()]
     at = {"response_ids": r_at, "logprobs": r_at}
@@ -506,26 +558,26 @@ def _build_checked(objs: Sequence[tuple[Any, ...]]) -> list[Trajectory] | None:
     return _batch_rows(cols, [joined[name] for name in _ARRAY_NAMES], offsets)
 
 
-def decode(data: bytes, max_bytes: int = 64 << 20) -> Trajectory:
-    """Unpack and validate a record; any defect raises RecordError. Its arrays are read-only
-    views of ``data``."""
+def decode(data: bytes, max_bytes: int = 64 << 20, limits: RecordLimits = NO_LIMITS) -> Trajectory:
+    """Unpack and validate a record (against ``limits`` too); any defect raises RecordError.
+    Its arrays are read-only views of ``data``."""
     traj = _from_wire(_structure(data, max_bytes))
-    traj.validate()
+    traj.validate(limits)
     return traj
 
 
 def decode_many(
-    blobs: Sequence[Any], max_bytes: int = 64 << 20
+    blobs: Sequence[Any], max_bytes: int = 64 << 20, limits: RecordLimits = NO_LIMITS
 ) -> tuple[list[Trajectory], list[tuple[int, RecordError]]]:
     """Decode a batch: (the good records in order, [(index, error)] of the bad ones). Types and
-    array contents are checked once per batch, column by column; only a batch with a defect
-    pays for per-record checks, which name it."""
+    array contents (and the consumer's ``limits``) are checked once per batch, column by
+    column; only a batch with a defect pays for per-record checks, which name it."""
     with _gc_paused():
-        return _decode_many(blobs, max_bytes)
+        return _decode_many(blobs, max_bytes, limits)
 
 
 def _decode_many(
-    blobs: Sequence[Any], max_bytes: int
+    blobs: Sequence[Any], max_bytes: int, limits: RecordLimits
 ) -> tuple[list[Trajectory], list[tuple[int, RecordError]]]:
     objs: list[tuple[Any, ...]] = []
     where: list[int] = []
@@ -546,14 +598,14 @@ def _decode_many(
                 where.append(i)
             except RecordError as err:
                 bad.append((i, err))
-    fast = _build_checked(objs)
+    fast = _build_checked(objs, limits)
     if fast is not None:
         return fast, bad
     ok = []
     for i, obj in zip(where, objs, strict=True):
         try:
             t = _from_wire(_check_obj(obj))
-            t.validate()
+            t.validate(limits)
             ok.append(t)
         except RecordError as err:
             bad.append((i, err))

@@ -49,8 +49,18 @@ local function ensure()
   end
   held = tonumber(held)
   if held ~= cap then
-    return redis.error_reply('CAPACITY this run was created with capacity ' .. held ..
+    return redis.error_reply('CAPACITY this run was created with capacity ' .. tostring(held) ..
       ' but the client asks for ' .. cap .. ': use a new run id, or reset the run')
+  end
+  -- The window's bookkeeping, checked before any script trusts it (a hand-written meta.head
+  -- would otherwise fail deep inside a script, or leave tail > head waiting forever).
+  local ht = redis.call('HMGET', meta, 'head', 'tail')
+  local h, t = tonumber(ht[1]), tonumber(ht[2])
+  if not h or not t or h ~= math.floor(h) or t ~= math.floor(t) or t < 0 or t > h
+      or h - t > cap then
+    return redis.error_reply('CORRUPT meta head=' .. tostring(ht[1]) .. ' tail=' ..
+      tostring(ht[2]) .. ' (need integers with 0 <= tail <= head <= tail + capacity ' ..
+      cap .. ')')
   end
   return nil
 end

@@ -44,7 +44,14 @@ from buffer.base import (
     priority_of,
 )
 from buffer.metrics import BufferMetrics
-from buffer.records import RecordError, Trajectory, decode_many, encode_many
+from buffer.records import (
+    NO_LIMITS,
+    RecordError,
+    RecordLimits,
+    Trajectory,
+    decode_many,
+    encode_many,
+)
 from buffer.redis_lua import INSERT, OPEN, PRIORITIES, QUARANTINE, SAMPLE, WRITE_BACK
 
 log = logging.getLogger("reval.buffer")
@@ -58,6 +65,18 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     ConnectionError,
     OSError,
 )
+REPAIR = (
+    "stop the run's learner and workers, then delete the run's buffer keys: redis-cli --scan "
+    "--pattern '{prefix}{{{run}}}:*' | xargs redis-cli del (the trajectories it held are lost; "
+    "checkpoints are not, and the workers refill it)"
+)
+
+
+class RingCorrupt(RuntimeError):
+    """The ring's bookkeeping in Redis (its ``meta`` hash or ``chunks`` set) is damaged: written
+    by hand or by another program. The message names what is wrong and how to repair it."""
+
+
 CHUNK_BYTES = 8 << 20  # one insert script call carries at most this much
 CHUNK_RECORDS = 2048
 
@@ -106,12 +125,19 @@ class _ChunkIndex:
         return self.starts[-1] if self.starts else -1
 
     def add(self, flat: Sequence[Any]) -> None:
-        """``flat`` = [end, start, end, start, ...] as ZRANGEBYSCORE ... WITHSCORES gives."""
+        """``flat`` = [end, start, end, start, ...] as ZRANGEBYSCORE ... WITHSCORES gives.
+        Raises ValueError on a member that is not a chunk's end after its start."""
         for k in range(0, len(flat), 2):
-            start = int(float(flat[k + 1]))
+            try:
+                start, end = float(flat[k + 1]), int(flat[k])
+                ok = start.is_integer() and 0 <= start < end
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"chunks member {flat[k]!r} with score {flat[k + 1]!r}")
             if start > self.newest:
-                self.starts.append(start)
-                self.ends.append(int(flat[k]))
+                self.starts.append(int(start))
+                self.ends.append(end)
 
     def forget_below(self, tail: int) -> None:
         drop = bisect.bisect_right(self.ends, tail)
@@ -157,14 +183,21 @@ def _pack_ref(t: Trajectory) -> bytes:
 
 
 def _apply_ref(t: Trajectory, packed: bytes | None) -> None:
+    """The cached reference quantities written back beside a record. A malformed or non-finite
+    cache is ignored (logged): the record's own (checked) fields stay, and the learner computes
+    the reference quantities afresh and writes them back over it."""
     if packed is None:
         return
     try:
         ref_version, slp, v1 = msgpack.unpackb(packed)
-        t.ref_version = None if ref_version is None else int(ref_version)
-        t.ref_logprob_sum, t.ref_value = float(slp), float(v1)
-    except (ValueError, TypeError) as err:
+        ref_version = None if ref_version is None else int(ref_version)
+        slp, v1 = float(slp), float(v1)
+        if not (math.isfinite(slp) and math.isfinite(v1)):
+            raise ValueError(f"not finite: {slp}, {v1}")
+    except (ValueError, TypeError, msgpack.UnpackException) as err:
         log.error("ignored malformed reference quantities of %s: %s", t.traj_id, err)
+        return
+    t.ref_version, t.ref_logprob_sum, t.ref_value = ref_version, slp, v1
 
 
 @dataclass
@@ -217,6 +250,7 @@ class RedisRing:
         reset: bool = False,
         open_retry_s: float = 5.0,
         background: bool = False,
+        limits: RecordLimits = NO_LIMITS,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -238,6 +272,9 @@ class RedisRing:
         self.spool_max_bytes = spool_max_bytes
         self.retry_s = retry_s
         self.max_record_bytes = max_record_bytes
+        self.limits = limits
+        """What the consumer does with a record (``RecordLimits``): a record that decodes but
+        breaks them is quarantined on read like a damaged one."""
         self.metrics = metrics
         self._spool: deque[_Chunk] = deque()
         self._spool_bytes = 0
@@ -314,7 +351,13 @@ class RedisRing:
             except ResponseError as err:
                 if str(err).startswith("CAPACITY"):
                     raise ValueError(f"run {self.run!r}: {err}") from None
+                if str(err).startswith("CORRUPT"):
+                    raise self._corrupt(str(err)[len("CORRUPT ") :]) from None
                 raise
+            except ValueError as err:  # the client's parsing of the bookkeeping it read
+                if isinstance(err, RecordError):
+                    raise
+                raise self._corrupt(str(err)) from None
             except RETRYABLE as err:
                 self._note_down(err)
                 left = deadline - time.monotonic()
@@ -333,6 +376,20 @@ class RedisRing:
                 )
                 self._down_since = None
             return out
+
+    def _window(self, head_b: Any, tail_b: Any) -> tuple[int, int]:
+        """(head, tail) as read from ``meta``; ValueError (-> RingCorrupt) unless they make a
+        window: integers, 0 <= tail <= head <= tail + capacity (what the scripts check too)."""
+        head, tail = int(head_b or 0), int(tail_b or 0)
+        if not 0 <= tail <= head <= tail + self._capacity:
+            raise ValueError(f"meta head={head} tail={tail}")
+        return head, tail
+
+    def _corrupt(self, what: str) -> RingCorrupt:
+        return RingCorrupt(
+            f"run {self.run!r}: the ring's bookkeeping in Redis is corrupt ({what}): "
+            + REPAIR.format(prefix=self.keys.meta.rsplit("{", 1)[0], run=self.run)
+        )
 
     def _note_down(self, err: BaseException) -> None:
         if self.metrics is not None:
@@ -413,7 +470,7 @@ class RedisRing:
         """Insert records that arrive already encoded (from another process or over HTTP):
         each is decoded and validated; bad ones are counted and skipped, good ones inserted.
         Returns (inserted or spooled, rejected)."""
-        good, bad = decode_many(blobs, self.max_record_bytes)
+        good, bad = decode_many(blobs, self.max_record_bytes, self.limits)
         for i, err in bad:
             log.warning("rejected malformed record %d (run %s): %s", i, self.run, err)
         rejected = len(bad)
@@ -603,7 +660,10 @@ class RedisRing:
                         with self._where_lock:
                             self._where.clear()
                     else:
-                        self._index.add(out[5])
+                        try:
+                            self._index.add(out[5])
+                        except ValueError as err:
+                            raise self._corrupt(str(err)) from None
                         self._index.forget_below(tail)
                 if reset_elsewhere:
                     log.warning("run %s was reset by another client; sampling anew", self.run)
@@ -644,7 +704,7 @@ class RedisRing:
                 unusable = [
                     order[k] for k, b in enumerate(blobs) if b is None or order[k] < tail_now
                 ]
-            good, bad = decode_many([blobs[k] for k in present], self.max_record_bytes)
+            good, bad = decode_many([blobs[k] for k in present], self.max_record_bytes, self.limits)
             bad_at = {present[i] for i, _ in bad}
             for i, problem in bad:
                 log.error("quarantined a malformed record at position %d: %s",
@@ -750,7 +810,8 @@ class RedisRing:
         pipe.zrangebyscore(k.chunks, f"({self._index.newest}", "+inf", withscores=True)
         pipe.get(k.use)
         (head_b, tail_b, ver_b), fresh, use_raw = pipe.execute()
-        head, tail, version = int(head_b or 0), int(tail_b or 0), int(ver_b or 0)
+        head, tail = self._window(head_b, tail_b)
+        version = int(ver_b or 0)
         with self._index_lock:
             if self._index.ends and self._index.ends[-1] > head:  # reset by another client
                 self._index = _ChunkIndex()
@@ -773,9 +834,16 @@ class RedisRing:
             if not unused:
                 continue
             order, _, blobs, refs, _ = self._read(unused, False)
-            good, bad = decode_many([b for b in blobs if b is not None], self.max_record_bytes)
-            if bad:
-                return f"malformed records among the fresh ones of chunk {first}"
+            present = [k for k, b in enumerate(blobs) if b is not None]
+            good, bad = decode_many([blobs[k] for k in present], self.max_record_bytes, self.limits)
+            if bad:  # quarantined (emptied, counted); the next attempt reads the chunk without
+                for i, problem in bad:
+                    log.error("quarantined a malformed record at position %d: %s",
+                              order[present[i]], problem)  # fmt: skip
+                self._quarantine([order[present[i]] for i, _ in bad])
+                if self.metrics is not None:
+                    self.metrics.rejected.inc(len(bad))
+                return f"quarantined {len(bad)} malformed records among the fresh ones"
             it = iter(good)
             for pos, b, ref in zip(order, blobs, refs, strict=True):
                 if b is not None:
@@ -875,6 +943,17 @@ class RedisRing:
         uses += [0] * len(missing)
         return order, int(res[0] or 0), blobs, refs, uses
 
+    def quarantine(self, traj_ids: Sequence[str], reason: str) -> int:
+        """Quarantine held records by id (ones this client inserted, sampled or listed): a batch
+        the learner could not update on, whatever the checks let through. Emptied and counted in
+        ``rejected`` like a damaged record; returns how many were found."""
+        positions = [p for p in map(self._where.get, traj_ids) if p is not None]
+        log.error("quarantined a batch of %d records: %s", len(positions), reason)
+        self._quarantine(positions)
+        if self.metrics is not None:
+            self.metrics.rejected.inc(len(positions))
+        return len(positions)
+
     def _quarantine(self, positions: Sequence[int]) -> None:
         args: list[Any] = []
         for p in positions:
@@ -928,7 +1007,10 @@ class RedisRing:
             pos = self._where.get(t.traj_id)
             start = None if pos is None else self._chunk_of(pos)
             if pos is not None and start is not None:
-                args += [pos, start, _pack_ref(t)]
+                try:
+                    args += [pos, start, _pack_ref(t)]
+                except RecordError as err:  # not cached: computed afresh when next sampled
+                    log.error("did not write back %s", err)
         return int(self._script("write_back", args)) if args else 0
 
     def items(self) -> list[Trajectory]:
@@ -940,7 +1022,7 @@ class RedisRing:
             pipe.zrangebyscore(k.chunks, f"({self._index.newest}", "+inf", withscores=True)
             (head, tail), fresh = pipe.execute()
             flat = [x for end, start in fresh for x in (end, start)]
-            return int(head or 0), int(tail or 0), flat
+            return *self._window(head, tail), flat
 
         head, tail, flat = self._retry(window, self.retry_s)
         with self._index_lock:
@@ -954,7 +1036,7 @@ class RedisRing:
                 self.retry_s,
             )
             keep = [i for i, b in enumerate(blobs) if b is not None and order[i] >= tail_now]
-            good, bad = decode_many([blobs[i] for i in keep], self.max_record_bytes)
+            good, bad = decode_many([blobs[i] for i in keep], self.max_record_bytes, self.limits)
             bad_at = {keep[i] for i, _ in bad}  # evicted meanwhile are absent; corrupt skipped
             it = iter(good)
             for i in keep:

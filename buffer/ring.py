@@ -26,7 +26,7 @@ from buffer.base import (
     priority_of,
 )
 from buffer.metrics import BufferMetrics
-from buffer.records import RecordError, Trajectory
+from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory
 from buffer.sumtree import SumTree
 
 T = TypeVar("T")
@@ -50,6 +50,7 @@ class MemoryRing:
         priority_beta: float = 0.4,
         priority_eps: float = 1e-3,
         metrics: BufferMetrics | None = None,
+        limits: RecordLimits = NO_LIMITS,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -75,6 +76,8 @@ class MemoryRing:
         self._max_priority = 1.0
         self._inserts: deque[tuple[int, int]] = deque()  # [start, end) of each insert call
         self.metrics = metrics
+        self.limits = limits
+        """What the consumer does with a record (``RecordLimits``), checked on insert."""
         if metrics is not None:
             metrics.capacity.set(capacity)
 
@@ -90,7 +93,7 @@ class MemoryRing:
     def insert(self, trajectories: Sequence[Trajectory]) -> int:
         for i, t in enumerate(trajectories):
             try:
-                t.validate()
+                t.validate(self.limits)
             except RecordError as err:
                 with self._cond:
                     self._rejected += 1

@@ -3,13 +3,19 @@
 updates, reference version, ...). A sharded learner saves and loads its shards in parallel; a
 one-process run (``reval train``) writes the same layout without a process group.
 
-``{run_dir}/checkpoints/step-{step:08d}/`` with ``latest`` naming the newest. A consolidated
+``{run_dir}/checkpoints/step-{step:08d}/`` with ``latest`` naming the newest. A checkpoint is
+written as ``step-{step:08d}.partial`` and renamed once complete, so a save cut short (a full or
+read-only disk, a kill) never leaves a ``step-*`` directory behind: a failed save removes its
+partial directory and raises ``CheckpointWriteError``, one line naming the path and the free
+space; partial directories of a killed save go at the next save. A consolidated
 Hugging Face checkpoint (what ``from_pretrained`` and vLLM load) is an export, not a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -26,6 +33,28 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 STATE_FILE = "reval_state.json"
+PARTIAL = ".partial"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, read-only, gone); nothing of it is left."""
+
+
+def _free_space(path: Path) -> str:
+    """Free space on the file system that holds ``path`` (its nearest existing ancestor)."""
+    for p in (path, *path.parents):
+        try:
+            free = shutil.disk_usage(p).free
+        except OSError:
+            continue
+        return f"{free / 2**30:.2f} GiB free on {p}"
+    return "free space unknown"
+
+
+def _reason(err: BaseException) -> str:
+    """The last line of an error (DCP wraps each rank's traceback in one long message)."""
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else type(err).__name__
 
 
 def _state_dict(model: nn.Module, reference: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -47,15 +76,43 @@ def save_checkpoint(
     optimizer: Optimizer,
     meta: dict[str, Any],
 ) -> Path:
-    """Save step ``meta["step"]``; every rank calls it. Returns the checkpoint's directory."""
+    """Save step ``meta["step"]``; every rank calls it. Returns the checkpoint's directory;
+    CheckpointWriteError (on every rank, nothing left on disk) when it cannot be written."""
     path = ckpt_dir / f"step-{int(meta['step']):08d}"
+    partial = path.with_name(path.name + PARTIAL)
+    lead = not _distributed() or dist.get_rank() == 0
     sd = _state_dict(model, reference, optimizer)
-    dcp.save(sd, checkpoint_id=str(path), no_dist=not _distributed())
-    if not _distributed() or dist.get_rank() == 0:
-        (path / STATE_FILE).write_text(json.dumps({**meta, "time": time.time()}))
-        (ckpt_dir / "latest").write_text(path.name)
-    if _distributed():
+    error: BaseException | None = None
+    try:
+        if lead:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            for old in ckpt_dir.glob(f"step-*{PARTIAL}"):  # a killed save's
+                shutil.rmtree(old, ignore_errors=True)
+        if _distributed():
+            dist.barrier()
+        dcp.save(sd, checkpoint_id=str(partial), no_dist=not _distributed())
+        if lead:
+            (partial / STATE_FILE).write_text(json.dumps({**meta, "time": time.time()}))
+            if path.exists():  # (the same step again: a learner resumed from before it)
+                shutil.rmtree(path)
+            os.replace(partial, path)
+            latest = ckpt_dir / f"latest{PARTIAL}"
+            latest.write_text(path.name)
+            os.replace(latest, ckpt_dir / "latest")
+    except (OSError, RuntimeError, CheckpointException) as err:
+        error = err
+    if lead and error is not None:
+        shutil.rmtree(partial, ignore_errors=True)
+    reason = None if error is None else _reason(error)
+    if _distributed():  # every rank learns whether rank 0's part (the rename) failed
+        box = [reason]
+        dist.broadcast_object_list(box, src=0)
+        reason = box[0] or reason
         dist.barrier()
+    if reason is not None:
+        raise CheckpointWriteError(
+            f"could not write checkpoint {path} ({_free_space(ckpt_dir)}): {reason}"
+        ) from None
     return path
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,15 +66,44 @@ def backend_for(device: torch.device, choice: str = "auto") -> str:
 
 
 def init_group(device_choice: str, backend_choice: str, timeout_s: float) -> torch.device:
-    """Join the default process group (env:// rendezvous) on this rank's device; returns it."""
+    """Join the default process group on this rank's device (the rendezvous at
+    ``MASTER_ADDR:MASTER_PORT``, through ``process_group_store``); returns the device."""
     device = rank_device(os.environ, torch.cuda.device_count(), device_choice)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before anything allocates on a GPU
     apply_nccl_env()  # (read when the NCCL group is constructed)
-    dist.init_process_group(
-        backend_for(device, backend_choice), timeout=dt.timedelta(seconds=timeout_s)
-    )
+    backend, timeout = backend_for(device, backend_choice), dt.timedelta(seconds=timeout_s)
+    store = process_group_store(timeout)
+    if store is None:  # (torchrun: its agent hosts the store)
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return device
+
+
+_LISTENERS: list[socket.socket] = []
+"""Sockets handed to a TCPStore (``master_listen_fd``): kept open as long as the process."""
+
+
+def process_group_store(timeout: dt.timedelta) -> dist.TCPStore | None:
+    """The learner ranks' TCPStore, listening on ``MASTER_ADDR`` only: torch's own (``env://``)
+    listens on every interface whatever ``MASTER_ADDR`` says, so rank 0 binds a socket there
+    and hands it over (``master_listen_fd``); the other ranks connect. None under torchrun,
+    whose agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world = int(os.environ["WORLD_SIZE"])
+    if int(os.environ["RANK"]) != 0:
+        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    listener = socket.create_server((addr, port), family=family, backlog=512)
+    _LISTENERS.append(listener)
+    return dist.TCPStore(
+        addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+    )  # fmt: skip
 
 
 def reduce_scalar(x: float, op: str) -> float:

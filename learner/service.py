@@ -21,11 +21,13 @@ calibration) is done above, by ``services/setup.py``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -40,24 +42,36 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from buffer import make_buffer
-from buffer.base import SampledBatch, SampleTimeout
+from buffer.base import BufferUnavailable, SampledBatch, SampleTimeout
 from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
-from buffer.records import Trajectory
+from buffer.records import RecordLimits, Trajectory
+from buffer.redis_ring import RedisRing, RingCorrupt
 from learner.batches import BatchSource, split_shares
-from learner.checkpoint import load_checkpoint, save_checkpoint
+from learner.checkpoint import PARTIAL, CheckpointWriteError, load_checkpoint, save_checkpoint
 from learner.export import export_hf
 from learner.parallel import build_models, init_group, rank_device, reduce_scalar
 from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
 from reval import registry
-from reval.config import RunConfig, dump_config
-from reval.control import RunControl, adopt_run
+from reval.config import RunConfig, dump_config, public_dump
+from reval.control import LeaseHeld, RunControl, RunLease, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import compute_dtype, load_policy
 from reval.weight_sync import build_publisher
 
 log = logging.getLogger("reval.learner")
+
+PARENT_GRACE_S = 60.0
+"""A spawned rank whose ``reval learner`` parent died stops at once (SIGTERM: checkpoint and
+stop, as on a Ctrl-C); if it has not ended this many seconds later it exits hard."""
+
+LEASE_HELD_EXIT = 3
+"""Exit status of a spawned rank that found the run's lease held by another learner."""
+
+MAX_FAILED_BATCHES = 3
+"""Updates in a row that may raise on their batch (each batch quarantined) before the learner
+gives up: beyond that the fault is the learner's, not the data's."""
 
 
 @dataclass
@@ -112,16 +126,20 @@ class LearnerService:
         self.export_now = threading.Event()
         """Set (SIGUSR1, ``reval launch --export``): export an HF checkpoint before the next
         update, into ``run_dir/exports/step-N``."""
+        self.tokenizer, self.model, self.reference_model = build_models(cfg, self.device)
+        # Token ids index the embedding (and the logits' last dimension): a record with an id
+        # past it would raise inside the update, so the ring quarantines it on read.
+        self.vocab_size = int(self.model.config.vocab_size)
         self.ring = make_buffer(
             cfg.buffer,
             cfg.name,
             seed=cfg.seed * 7919 + self.rank,
             metrics=BufferMetrics(self.metrics.registry) if self.rank == 0 else None,
             samples_per_insert=cfg.samples_per_insert,
+            limits=RecordLimits(self.vocab_size, cfg.buffer.reward_bound),
         )
         self.source = BatchSource.from_config(self.ring, cfg)
         self.client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
-        self.tokenizer, self.model, self.reference_model = build_models(cfg, self.device)
         world = self.world
         self.learner = Learner(
             self.model,
@@ -151,7 +169,11 @@ class LearnerService:
         self.seen = {"checkpoint": 0, "export": 0}
         if self.rank == 0:
             self._register(resume)
+        self.lease: RunLease | None = None
+        """The run's one-learner lease (rank 0, set by ``run_rank``)."""
         self.paused = False
+        self.failed_in_a_row = 0
+        """Updates in a row that raised on their batch (``_quarantine_batch``)."""
         self.published = False
         self.last_tick = time.monotonic()
         self.last_staleness = 0.0
@@ -169,7 +191,7 @@ class LearnerService:
             self.seen = {"checkpoint": st.checkpoint, "export": st.export}
             self.control.clear_stale_stop(self.started)  # (a stop of an earlier start)
             self.control.record("learner_started", {"resume": resume})
-            if adopt_run(self.client, cfg.buffer.key_prefix, cfg.name, cfg.model_dump(mode="json")):
+            if adopt_run(self.client, cfg.buffer.key_prefix, cfg.name, public_dump(cfg)):
                 log.info("run %s registered for the REST API", cfg.name)
 
     @property
@@ -352,7 +374,10 @@ class LearnerService:
         try:
             while self.step.counts.updates < total:
                 self.last_tick = time.monotonic()
-                flags = torch.tensor([float(self.stop.is_set()), float(self.export_now.is_set())])
+                lost = self.lease is not None and self.lease.lost.is_set()
+                flags = torch.tensor(
+                    [float(self.stop.is_set()), float(self.export_now.is_set()), float(lost)]
+                )
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any rank's request counts
                 todo = self._control()  # the run's control keys, as rank 0 read them
                 if flags[1].item() or todo["export"]:
@@ -362,6 +387,10 @@ class LearnerService:
                     self.save_checkpoint()
                 if flags[0].item() or todo["stop"]:
                     log.info("stopping: checkpoint at step %d", self.learner.step)
+                    break
+                if flags[2].item():
+                    log.error("the run's lease went to another learner: stopping, no checkpoint")
+                    self.saved_step = self.learner.step  # (that learner writes them now)
                     break
                 if todo["pause"]:
                     self._status("paused")
@@ -380,7 +409,14 @@ class LearnerService:
                 waited_since = 0.0
                 share, weights, batch, wait = got
                 self.metrics.wait_data.inc(wait)
-                record = self.step(share, weights, batch)
+                try:
+                    record = self.step(share, weights, batch)
+                except (BufferUnavailable, RingCorrupt, redis.RedisError, ConnectionError):
+                    raise  # the replay service's fault, not the batch's
+                except Exception as err:  # a batch the checks let through
+                    self._quarantine_batch(batch, err)
+                    continue
+                self.failed_in_a_row = 0
                 self.metrics.update_s.inc(record["update_s"])
                 if self.step.counts.updates % cfg.sync.every == 0:
                     self.publish()
@@ -395,12 +431,32 @@ class LearnerService:
         if self.saved_step != self.learner.step:  # (not twice for one step)
             self.save_checkpoint()
         finished = self.step.counts.updates >= total
-        if finished:
+        if finished and not (self.lease is not None and self.lease.lost.is_set()):
             self.export_hf(self.run_dir / "final")
         self._status("done" if finished else "stopped")
         if self.publisher is not None:
             self.publisher.close()
         return self.state
+
+    def _quarantine_batch(self, batch: SampledBatch | None, err: Exception) -> None:
+        """An update that raised on a batch: the batch is quarantined whole (counted in the
+        ring's ``rejected``, logged) and training goes on with the next. Not with several ranks
+        (the others are inside the update's collectives: the process group's timeout ends
+        them), nor after ``MAX_FAILED_BATCHES`` in a row (then the fault is the learner's, not
+        the data's: it raises)."""
+        self.failed_in_a_row += 1
+        if self.world > 1 or self.failed_in_a_row > MAX_FAILED_BATCHES:
+            raise err
+        log.exception("update %d raised on its batch: quarantined", self.step.counts.updates)
+        if batch is not None:
+            ids = batch.traj_ids
+            if isinstance(self.ring, RedisRing):  # (what ``main`` requires)
+                self.ring.quarantine(ids, f"the update raised {type(err).__name__}: {err}")
+            with contextlib.suppress(redis.RedisError):
+                self.control.record(
+                    "batch_quarantined", {"records": len(ids), "error": repr(err)[:500]},
+                    step=self.learner.step,
+                )  # fmt: skip
 
     def _log(self, record: dict[str, Any], wait: float, elapsed: float) -> None:
         if self.rank != 0:
@@ -438,7 +494,9 @@ class LearnerService:
             "updates": st.updates,
             "policy_version": st.step,
             "hparams": self.step.applied.set_fields(),
-            "checkpoints": sorted(p.name for p in self.ckpt_dir.glob("step-*"))[-5:],
+            "checkpoints": sorted(
+                p.name for p in self.ckpt_dir.glob("step-*") if not p.name.endswith(PARTIAL)
+            )[-5:],
         }
         if last is not None:
             status["last"] = last
@@ -452,8 +510,38 @@ _EARLY_STOP: list[threading.Event] = []
 """Set by a signal that arrives before a spawned rank's service exists (``_rank_main``)."""
 
 
+def _follow_parent(parent: int) -> None:
+    """A spawned rank stops when the ``reval learner`` that spawned it dies (a SIGKILL of the
+    parent left its ranks training on as orphans, beside the next learner of the run): on Linux
+    the kernel sends it SIGTERM (``prctl(PR_SET_PDEATHSIG)``); everywhere a watchdog thread sees
+    the parent gone within half a second, sends the same SIGTERM, and exits hard if the rank
+    has not ended ``PARENT_GRACE_S`` later."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+    def watch() -> None:
+        while os.getppid() == parent:  # (checked after prctl: a parent already gone counts)
+            time.sleep(0.5)
+        log.error("the reval learner process %d that spawned this rank is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(PARENT_GRACE_S)
+        log.error("still running %.0f s after the parent died: exiting", PARENT_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="reval-parent-watch", daemon=True).start()
+
+
 def _rank_main(
-    rank: int, world: int, port: int, cfg_json: str, resume: bool, out: str, export: bool
+    rank: int,
+    world: int,
+    port: int,
+    cfg_json: str,
+    resume: bool,
+    out: str,
+    export: bool,
+    parent: int,
 ) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # (its default ends the process) until set
     # A Ctrl-C or SIGTERM while the rank starts (before the service's handlers exist) must not
@@ -462,6 +550,9 @@ def _rank_main(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _s, _f: early.set())
     _EARLY_STOP.append(early)
+    _follow_parent(parent)
+    if sys.platform.startswith("linux"):  # spawned ranks are all on this machine: gloo on lo
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -470,7 +561,16 @@ def _rank_main(
         LOCAL_RANK=str(rank),  # (one node: the rank picks its GPU, learner/parallel.py)
     )
     cfg = RunConfig.model_validate_json(cfg_json)
-    run_rank(cfg, resume, out, export_only=export)
+    try:
+        run_rank(cfg, resume, out, export_only=export)
+    except LeaseHeld as err:
+        if rank == 0:
+            print(f"reval learner: {err}", file=sys.stderr, flush=True)
+        sys.exit(LEASE_HELD_EXIT)
+    except CheckpointWriteError as err:  # one line, not a traceback per rank
+        if rank == 0:
+            print(f"reval learner: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def run_rank(
@@ -495,8 +595,11 @@ def run_rank(
     # ranks wait in the next collective. (The hub's groups are its own: a dead worker never
     # stalls this group's collectives, reval/broadcast.py.)
     init_group(cfg.model.device, cfg.sync.backend, 4 * cfg.sync.timeout_s + 60)
+    lease = None
     try:
+        lease = _take_lease(cfg)
         service = LearnerService(cfg, resume)
+        service.lease = lease
 
         def on_signal(signum: int, _frame: object) -> None:
             log.info("rank %d: signal %d: checkpoint and stop", service.rank, signum)
@@ -532,7 +635,30 @@ def run_rank(
         dist.barrier()  # every rank is done before any tears its process group down
         return state
     finally:
+        if lease is not None:
+            lease.release()
         dist.destroy_process_group()
+
+
+def _take_lease(cfg: RunConfig) -> RunLease | None:
+    """Rank 0 takes the run's one-learner lease (``reval/control.py: RunLease``); every rank
+    learns whether it did, and all raise LeaseHeld (naming the holder) if not. The lease of
+    rank 0, None elsewhere."""
+    verdict: list[Any] = [None]
+    lease = None
+    if dist.get_rank() == 0:
+        client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
+        lease = RunLease(client, cfg.buffer.key_prefix, cfg.name, cfg.learner.lease_s)
+        try:
+            lease.acquire()
+        except LeaseHeld as err:
+            verdict[0] = str(err)
+            lease = None
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise LeaseHeld(verdict[0])
+    return lease
 
 
 def main(
@@ -553,7 +679,9 @@ def main(
         state = run_rank(cfg, resume, None, export_only=export)
         print(json.dumps(state.__dict__), flush=True)
         return 0
-    world = nproc or cfg.learner.world_size
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    world = nproc if nproc is not None else cfg.learner.world_size
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -562,7 +690,8 @@ def main(
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(
-            target=_rank_main, args=(r, world, port, cfg.model_dump_json(), resume, out, export)
+            target=_rank_main,
+            args=(r, world, port, cfg.model_dump_json(), resume, out, export, os.getpid()),
         )
         for r in range(world)
     ]
@@ -580,6 +709,8 @@ def main(
     for p in procs:
         p.join()
     codes = [p.exitcode for p in procs]
+    if LEASE_HELD_EXIT in codes:
+        return 2  # (rank 0 said which learner holds the run)
     if any(codes):
         log.error("learner ranks exited with %s", codes)
         return 1

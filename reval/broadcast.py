@@ -12,6 +12,13 @@ per tensor. A member that dies or stalls makes a collective time out after ``tim
 learner then drops the generation, and the next sync proposes a new one without the members that
 do not acknowledge. The learner never waits longer than ``timeout`` for anyone.
 
+Who can join: the hub listens only on the address it is given (its ``TCPStore`` through a socket
+bound there, ``master_listen_fd``; its gloo pairs through a device on that address), never on
+every interface, and every key of its store lives under a per-run secret (``PrefixStore``): a
+client that does not know the secret (announced only in Redis, in the hub's address
+``backend://host:port/secret``) reads nothing, and nothing it writes is read by the hub or the
+workers.
+
 Workers receive on a background thread (``BroadcastReceiver``) into CPU memory while they
 generate; their main loop takes the newest complete version between batches, as the buckets it
 arrived in (``take_buckets``) or unpacked into views (``take``). A newcomer gets the weights of
@@ -36,6 +43,8 @@ import datetime as dt
 import json
 import logging
 import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -74,10 +83,18 @@ def apply_nccl_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def make_group(backend: str, store: Any, rank: int, size: int, timeout_s: float) -> Any:
-    """A process group outside the default world (gloo or NCCL) over ``store``."""
+def make_group(
+    backend: str, store: Any, rank: int, size: int, timeout_s: float, bind: str | None = None
+) -> Any:
+    """A process group outside the default world (gloo or NCCL) over ``store``; ``bind``: the
+    address gloo listens on (default: the host name's, as torch.distributed's default)."""
     if backend == "gloo":
-        return ProcessGroupGloo(store, rank, size, _td(timeout_s))
+        if bind is None:
+            return ProcessGroupGloo(store, rank, size, _td(timeout_s))
+        opts = ProcessGroupGloo._Options()
+        opts._devices = [ProcessGroupGloo.create_device(hostname=bind)]
+        opts._timeout = _td(timeout_s)
+        return ProcessGroupGloo(store, rank, size, opts)
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
 
@@ -100,13 +117,24 @@ def _abort(pg: Any) -> None:
             log.debug("abort of a failed group: %s", err)
 
 
-def parse_address(announced: str) -> tuple[str, str, int]:
-    """``backend://host:port`` (or ``host:port``: gloo) -> (backend, host, port)."""
+def parse_address(announced: str) -> tuple[str, str, int, str]:
+    """``backend://host:port/secret`` (or ``host:port/secret``: gloo) -> (backend, host, port,
+    secret)."""
     backend, _, rest = announced.rpartition("://")
+    rest, _, secret = rest.partition("/")
     host, _, port = rest.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"bad broadcast address {announced!r} (want backend://host:port)")
-    return backend or "gloo", host, int(port)
+    if not host or not port.isdigit() or not secret:
+        raise ValueError(f"bad broadcast address {announced!r} (want backend://host:port/secret)")
+    return backend or "gloo", host, int(port), secret
+
+
+def _scoped(store: Any, secret: str) -> PrefixStore:
+    """The hub's store as seen by those who know the run's secret."""
+    return PrefixStore(f"{secret}/", store)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def _sync_device(device: torch.device) -> None:
@@ -120,24 +148,37 @@ class BroadcastHub:
     def __init__(
         self,
         port: int,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         timeout_s: float = 60.0,
         bucket_bytes: int = 64 << 20,
         backend: str = "gloo",
         device: torch.device | str = "cpu",
+        secret: str | None = None,
     ) -> None:
+        """Listens on ``host`` only (loopback unless given); ``secret``: what a worker must know
+        to join (a fresh random one unless given)."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown broadcast backend {backend!r} (gloo, nccl)")
+        self.host = host
+        self.secret = secret or secrets.token_hex(16)
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.backend = backend
         self.device = torch.device(device)
         if backend == "nccl" and self.device.type != "cuda":
             raise ValueError("an NCCL hub needs a CUDA device")
-        self.store = TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s)
+        # torch's TCPStore listens on every interface: it gets a socket bound to ``host``.
+        self._listener = socket.create_server((host, port), family=_family(host), backlog=512)
+        self._tcp = TCPStore(
+            host,
+            self._listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_td(timeout_s),
+            master_listen_fd=self._listener.fileno(),
         )
-        self.port = self.store.port
+        self.port = self._tcp.port
+        self.store = _scoped(self._tcp, self.secret)
         self.generation = 0
         self.members: list[int] = []  # tickets, in rank order (rank = index + 1)
         self.dropped: set[int] = set()
@@ -187,6 +228,7 @@ class BroadcastHub:
                     0,
                     len(members) + 1,
                     self.timeout_s,
+                    bind=self.host,
                 )
             except RuntimeError as err:  # a member acknowledged, then vanished
                 log.warning("generation %d: the group did not form (%s)", g, err)
@@ -250,6 +292,7 @@ class BroadcastReceiver:
         host: str,
         port: int,
         worker_id: str,
+        secret: str,
         timeout_s: float = 60.0,
         backend: str = "gloo",
         device: torch.device | str = "cpu",
@@ -260,6 +303,7 @@ class BroadcastReceiver:
         if backend == "nccl" and self.device.type != "cuda":
             raise ValueError("an NCCL receiver needs a CUDA device")
         self.host, self.port, self.worker_id = host, port, worker_id
+        self.secret = secret
         self.timeout_s = timeout_s
         self._latest: tuple[int, list[Bucket], list[Tensor]] | None = None
         self._lent: list[Tensor] = []
@@ -325,8 +369,9 @@ class BroadcastReceiver:
 
     def _session(self) -> None:
         # Connecting gives up soon (a learner that is gone); operations use the full timeout.
-        store = TCPStore(self.host, self.port, is_master=False, timeout=_td(2.0))
-        store.set_timeout(_td(self.timeout_s))
+        tcp = TCPStore(self.host, self.port, is_master=False, timeout=_td(2.0))
+        tcp.set_timeout(_td(self.timeout_s))
+        store = _scoped(tcp, self.secret)
         self.ticket = ticket = int(store.add("tickets", 1))
         store.set(f"ticket/{ticket}", self.worker_id)
         seen = 0

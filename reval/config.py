@@ -10,24 +10,64 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
+import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "REVAL__"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "demo.toml"
 
 
+MAX_CAPACITY = 100_000_000
+"""Largest ``buffer.capacity``: the Redis ring's per-slot strings (4 bytes a slot) stay far
+below Redis's 512 MB string limit."""
+
+_Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the offending field."""
 
 
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field's type admits a bool (``bool``, ``bool | None``, a Literal of bools)."""
+    if annotation is bool:
+        return True
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_takes_bool(a) for a in get_args(annotation))
+    return False
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    """Every section: unknown keys are errors, floats are finite (no NaN or Infinity, which a
+    JSON or TOML override can spell), and a bool is not a number (lax validation would take
+    ``rounds = true`` as 1)."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if isinstance(value, bool) and name and not _takes_bool(cls.model_fields[name].annotation):
+            raise ValueError(f"a boolean ({value}) where a number or text is expected")
+        return value
 
 
 class TinyModelConfig(_Section):
@@ -152,8 +192,9 @@ class BufferConfig(_Section):
     """``memory``: the embedded in-process ring (one-process runs, nothing survives the process).
     ``redis``: the replay service, shared by every worker and the learner and kept across
     restarts (see docs/buffer.md)."""
-    capacity: int = Field(1280, ge=1)
-    """M: trajectories kept; the oldest is evicted on insert (the paper: 5120)."""
+    capacity: int = Field(1280, ge=1, le=MAX_CAPACITY)
+    """M: trajectories kept; the oldest is evicted on insert (the paper: 5120). At most 10^8:
+    the Redis ring keeps 4 bytes per slot in strings of at most 512 MB."""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """``redis``: where the replay service lives."""
     key_prefix: str = "reval:"
@@ -190,6 +231,11 @@ class BufferConfig(_Section):
     sample_timeout_s: float = Field(60.0, gt=0)
     """The learner waits this long for a batch (rate limiter, too few held, Redis down) before
     it raises."""
+    reward_bound: float = Field(100.0, gt=0)
+    """The learner quarantines (counts, never trains on) a record whose ``|reward|`` or
+    ``|reward_raw|`` exceeds this: the verifiers score 0/1 and every reward transform stays in
+    [-1, 1], while one reward of 1e30 derails every update it is drawn into. Token ids are
+    checked against the model's vocabulary the same way."""
     spool_max_mb: float = Field(256.0, ge=0)
     """``redis``: a producer that cannot reach Redis keeps up to this many MB of encoded records
     locally and flushes them when Redis answers again; beyond it the oldest are dropped (and
@@ -220,14 +266,19 @@ class LearnerConfig(_Section):
     """AdamW learning rate (the paper: 1e-6)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    adam_betas: tuple[_Beta, _Beta] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global grad norm to this; steps with a non-finite norm are skipped."""
     world_size: int = Field(1, ge=1)
     """Learner ranks of ``reval learner`` (FSDP2 over all of them: gloo on CPU, NCCL on GPU)."""
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps of ``reval learner`` (default: ``rounds * updates_per_round``)."""
+    lease_s: float = Field(30.0, gt=0, le=3600)
+    """One learner per run: the learner holds a lease in Redis for this long, renewed every third
+    of it. A second learner on the run waits this long for it, then refuses to start, naming the
+    holder; one that died frees the lease after this long (at once when it ran on the same
+    host)."""
     sample_prefetch: int = Field(1, ge=0)
     """``reval learner``: batches sampled ahead while an update runs (0: none)."""
     ref_reset_steps: int = Field(200, ge=0)
@@ -283,10 +334,15 @@ class SyncConfig(_Section):
     that joined the learner's hub: faster than the shared directory, which stays the fallback
     and what newcomers read first."""
     broadcast_host: str = "127.0.0.1"
-    """Address the workers reach the learner's hub at (the learner listens on all interfaces;
-    announced in Redis). ``auto``: the learner's own address as other hosts see it (its Ray
+    """Address the workers reach the learner's hub at (announced in Redis, with the run's
+    secret that joining needs). ``auto``: the learner's own address as other hosts see it (its Ray
     node's IP under Ray, else its host name resolved, as torch.distributed does): for workers in
     other containers or on other nodes (docker-compose.yml, deploy/k8s)."""
+    broadcast_bind: str | None = None
+    """Address the hub listens on (its store and its gloo sockets). Unset: the address of
+    ``broadcast_host`` (loopback by default; with ``auto`` the learner's own address, where
+    the workers of other containers or nodes reach it), never every interface unless set to
+    ``0.0.0.0``."""
     broadcast_port: int = Field(0, ge=0, le=65535)
     """Port of the hub (0: any free port; it is announced in Redis)."""
 
@@ -545,11 +601,37 @@ def load_config(
     return build_config(data)
 
 
-def dump_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config (every field, defaults and derived values included) as JSON."""
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its secrets replaced by ``***``: the password of the user part (a Redis
+    URL's: ``redis://:pw@host/0`` -> ``redis://:***@host/0``; all of it when there is no colon)
+    and a ``password=`` query parameter (``unix://`` sockets)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    auth, at, host = rest.rpartition("@")
+    if at:
+        user, colon, _ = auth.partition(":")
+        rest = f"{user}:{REDACTED}@{host}" if colon else f"{REDACTED}@{host}"
+    rest = re.sub(r"([?&]password=)[^&]*", rf"\g<1>{REDACTED}", rest)
+    return f"{scheme}://{rest}"
+
+
+def public_dump(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config (every field, defaults and derived values included) as JSON data,
+    with its secrets redacted (``buffer.redis_url``'s password): what is written to disk and
+    shown. Reloading it needs the secret again (``REVAL__BUFFER__REDIS_URL`` or ``--set``)."""
     data = cfg.model_dump(mode="json")
     data["buffer"]["samples_per_insert"] = cfg.samples_per_insert
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    data["buffer"]["redis_url"] = redact_url(cfg.buffer.redis_url)
+    return data
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write ``public_dump(cfg)``: the resolved config, secrets redacted."""
+    Path(path).write_text(json.dumps(public_dump(cfg), indent=2) + "\n")
 
 
 class ApiConfig(BaseModel):
@@ -566,7 +648,12 @@ class ApiConfig(BaseModel):
     key_prefix: str = "reval:"
     """Key prefix of the runs this API manages (their ``buffer.key_prefix``)."""
     output_dir: str = "runs"
-    """Run directories of the runs it starts."""
+    """Run directories of the runs it starts. A POSTed config's ``output_dir`` and
+    ``sync.weights_dir`` must lie under it (a run writes, and resumes by unpickling, there)."""
+    models_dir: str | None = None
+    """Local model checkpoints and datasets a POSTed config may name (``model.name_or_path``,
+    ``task.dataset``): directories and files under this; anything else must be a hub id
+    (``NAME`` or ``ORG/NAME``). None: hub ids only."""
     token_env: str = "REVAL_API_TOKEN"
     """Environment variable holding the bearer token of mutating requests."""
     dev: bool = False

@@ -12,6 +12,8 @@ Keys of run R (the run's hash tag, so one Redis Cluster slot):
   policy version, the last metrics, the checkpoints, the hyperparameters in force).
 - ``{prefix}{R}:events`` (stream): every request and every change applied, with the learner's
   step: ``reval runs events`` and ``GET /v1/runs/{R}/events`` read it.
+- ``{prefix}{R}:learner`` (string with a time to live): the lease of the run's one learner
+  (``RunLease``), holding its identity.
 
 The live hyperparameters are one typed model, ``LiveHParams``: the API's PATCH body, what
 ``RunControl.patch`` writes and what ``RunControl.read`` returns. The learner applies its fields
@@ -21,7 +23,11 @@ at its next step and records each change with that step; the rollout workers app
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -302,3 +308,114 @@ class RunControl:
     def clear(self) -> None:
         """A new run under this name starts with no requests pending."""
         self.client.delete(self.control, self.status, self.events_key)
+
+
+# -- one learner per run ------------------------------------------------------------------------
+
+
+def lease_key(prefix: str, run: str) -> str:
+    return f"{prefix}{{{run}}}:learner"
+
+
+class LeaseHeld(RuntimeError):
+    """Another learner holds the run's lease; the message names it."""
+
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _alive_here(holder: dict[str, Any]) -> bool:
+    """Whether a holder on this host may still run: its pid is a live process (or not a pid
+    at all). A pid reused by another process (a restarted container) counts as alive: its lease
+    then runs out."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLease:
+    """The run's one-learner lease: a Redis key set with ``SET NX PX`` holding the holder's
+    identity (host, pid, start time), renewed every third of its time by a thread while the
+    learner runs, deleted on release (only by its holder). A second learner on the run waits up
+    to one lease time for it (a holder that died frees it by then; one on this host that is
+    gone frees it at once), then refuses, naming the holder."""
+
+    def __init__(self, client: redis.Redis, prefix: str, run: str, ttl_s: float) -> None:
+        self.client = client
+        self.key = lease_key(prefix, run)
+        self.run = run
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.identity = json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        )
+        self.lost = threading.Event()
+        """Set when a renewal found the lease gone to another holder: stop without writing."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def holder(self) -> dict[str, Any] | None:
+        raw = self.client.get(self.key)
+        if raw is None:
+            return None
+        try:
+            out = json.loads(raw)
+        except ValueError:
+            return {"raw": raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)}
+        return out if isinstance(out, dict) else {"raw": str(out)}
+
+    def acquire(self, wait_s: float | None = None) -> None:
+        """Take the lease (waiting up to ``wait_s``, default one lease time, for a holder to
+        go) and start renewing it; LeaseHeld naming the holder otherwise."""
+        deadline = time.monotonic() + (self.ttl_ms / 1000 if wait_s is None else wait_s)
+        while not self.client.set(self.key, self.identity, nx=True, px=self.ttl_ms):
+            holder = self.holder() or {}
+            if holder.get("host") == socket.gethostname() and not _alive_here(holder):
+                self.client.eval(_RELEASE, 1, self.key, json.dumps(holder))  # a dead one's
+                continue
+            if time.monotonic() >= deadline:
+                raise LeaseHeld(
+                    f"run {self.run!r} has a learner already: pid {holder.get('pid')} on "
+                    f"{holder.get('host')!r}, started "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(holder.get('started', 0)))}"
+                    f" UTC (Redis key {self.key}); stop it first. A learner that died frees the "
+                    f"lease within {self.ttl_ms / 1000:g} s"
+                )
+            time.sleep(min(0.5, self.ttl_ms / 4000))
+        self._thread = threading.Thread(target=self._renew, name="reval-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_ms / 3000):
+            try:
+                if self.client.eval(_RENEW, 1, self.key, self.identity, self.ttl_ms):
+                    continue
+                # Expired (Redis was away longer than a lease): take it again if nobody has.
+                if self.client.set(self.key, self.identity, nx=True, px=self.ttl_ms):
+                    continue
+                self.lost.set()
+                return
+            except redis.RedisError:
+                continue  # Redis away: try again next turn
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with contextlib.suppress(redis.RedisError):  # (it expires)
+            self.client.eval(_RELEASE, 1, self.key, self.identity)

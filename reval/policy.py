@@ -201,6 +201,23 @@ def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def model_source(name_or_path: str) -> str:
+    """``model.name_or_path`` checked before transformers sees it: a local directory, or what
+    can only be a hub id (``NAME`` or ``ORG/NAME``). A path that is not a directory (absolute,
+    relative with ``.``, under ``~``, or with more than one ``/``) is a ValueError naming it;
+    transformers would report it as a malformed repo id."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return str(path)
+    if name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or path.exists():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise ValueError(
+            f"model.name_or_path: the local path {str(path)!r} {what} (a checkpoint directory "
+            "with config.json, or a hub id ORG/NAME)"
+        )
+    return name_or_path
+
+
 def compute_dtype(cfg: ModelConfig) -> torch.dtype:
     """``model.dtype``: what the learner computes in and the generators hold their weights in;
     the policy's parameters (the learner's masters) are fp32 whatever it is."""
@@ -228,10 +245,11 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
             seed=seed,
         )
     else:
-        tokenizer = _load_tokenizer(cfg.name_or_path)
+        source = model_source(cfg.name_or_path)
+        tokenizer = _load_tokenizer(source)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
     model.to(device)

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import redis
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -44,6 +45,12 @@ from reval.retry import retry_redis
 from reval.weights import unpack_bucket
 
 log = logging.getLogger("reval.weights")
+
+UNREADABLE: tuple[type[BaseException], ...] = (OSError, SafetensorError)
+"""What reading an announced weights file raises when the file is gone or damaged: safetensors
+0.8 raises FileNotFoundError (an OSError) for a missing file, OSError for other I/O faults
+(a stale handle on a shared volume), and SafetensorError (not an OSError, not a RuntimeError)
+for a file cut short; none of these may end a worker."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,8 @@ class WeightStore:
 
     @staticmethod
     def load(announcement: Announcement) -> list[tuple[str, Tensor]]:
-        """The tensors of an announced version (raises FileNotFoundError if it was pruned)."""
+        """The tensors of an announced version (raises one of ``UNREADABLE`` if it was pruned
+        or is damaged)."""
         return list(load_file(str(announcement.path)).items())
 
 
@@ -176,7 +184,7 @@ class PublishResult:
 class WeightPublisher:
     """The learner's one way to publish weights: the file and its announcement, then the
     broadcast through ``hub`` when there is one. ``host`` is the hub's address as announced (the
-    hub listens on every interface)."""
+    hub listens on its own bind address: ``sync.broadcast_bind``)."""
 
     def __init__(
         self, store: WeightStore, hub: BroadcastHub | None = None, host: str = "127.0.0.1"
@@ -187,10 +195,11 @@ class WeightPublisher:
 
     @property
     def address(self) -> str | None:
-        """``backend://host:port`` of the hub, as announced (None without a hub)."""
+        """``backend://host:port/secret`` of the hub, as announced in Redis (None without a
+        hub): the secret is what a worker needs to join."""
         if self.hub is None:
             return None
-        return f"{self.hub.backend}://{self.host}:{self.hub.port}"
+        return f"{self.hub.backend}://{self.host}:{self.hub.port}/{self.hub.secret}"
 
     def publish(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> PublishResult:
         """Write and announce ``version``, then broadcast it to the hub's members (waiting at
@@ -215,20 +224,35 @@ def build_publisher(
     NCCL from a CUDA device and gloo otherwise, unless ``sync.backend`` says which."""
     device = torch.device(device)
     hub = None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if cfg.sync.backend != "auto":
+        backend = cfg.sync.backend
+    host = cfg.sync.broadcast_host
+    announced = discover_host() if host == "auto" else host
     if cfg.sync.broadcast:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if cfg.sync.backend != "auto":
-            backend = cfg.sync.backend
+        bind = cfg.sync.broadcast_bind or bind_address(announced)
         hub = BroadcastHub(
             cfg.sync.broadcast_port,
+            host=bind,
             timeout_s=cfg.sync.timeout_s,
             bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
             backend=backend,
             device=device if backend == "nccl" else "cpu",
         )
-        log.info("broadcast hub (%s) on port %d", backend, hub.port)
-    host = cfg.sync.broadcast_host
-    return WeightPublisher(_store(cfg, client), hub, discover_host() if host == "auto" else host)
+        log.info("broadcast hub (%s) listening on %s port %d", backend, bind, hub.port)
+    return WeightPublisher(_store(cfg, client), hub, announced)
+
+
+def bind_address(announced: str) -> str:
+    """Where the hub listens when ``sync.broadcast_bind`` is unset: the address it is announced
+    at (an IP address as is, a name resolved), so it is reachable where the workers look for it
+    and nowhere else; every interface only for a name that does not resolve (logged)."""
+    try:
+        return socket.getaddrinfo(announced, None)[0][4][0]
+    except OSError:
+        log.warning("broadcast host %r does not resolve: the hub listens on every interface",
+                    announced)  # fmt: skip
+        return "0.0.0.0"
 
 
 def discover_host() -> str:
@@ -333,8 +357,10 @@ class WeightSubscriber:
                 load_file(ann.path, ann.version)
             else:
                 engine.load_weights(self.store.load(ann), ann.version)
-        except FileNotFoundError:
-            log.warning("weights v%d were pruned before this worker read them", ann.version)
+        except UNREADABLE as err:
+            # Pruned by the learner, or cut short on a shared volume: the next announcement
+            # has a newer file; the weights in hand stay in use meanwhile.
+            log.warning("weights v%d could not be read (pruned?): %s", ann.version, err)
             return None
         self._loaded(ann.version, "file")
         return ann.version
@@ -380,7 +406,7 @@ class WeightSubscriber:
         if address is None:
             return
         try:
-            backend, host, port = parse_address(address)
+            backend, host, port, secret = parse_address(address)
         except ValueError as err:
             log.warning("worker %s: %s; weights from files", self.worker_id, err)
             return
@@ -406,6 +432,7 @@ class WeightSubscriber:
             host,
             port,
             self.worker_id,
+            secret,
             timeout_s=self.timeout_s,
             backend=backend,
             device=device if backend == "nccl" else "cpu",

@@ -62,6 +62,7 @@ from torch import Tensor, nn
 
 from buffer.records import FinishReason
 from reval.broadcast import BroadcastReceiver, parse_address
+from reval.weight_sync import UNREADABLE
 from reval.weights import unpack_bucket
 from rollout.engines import Sample, SamplingParams
 
@@ -418,9 +419,9 @@ class RevalWorkerExtension:
         """Load the safetensors file at ``path``, tensor by tensor; False if it is missing."""
         from safetensors import safe_open
 
-        try:
-            f = safe_open(path, framework="pt", device="cpu")
-        except FileNotFoundError:
+        try:  # (safe_open checks the header against the file's length: a file cut short
+            f = safe_open(path, framework="pt", device="cpu")  # fails here, before any load)
+        except UNREADABLE:
             return False
         with f:
             self._reval_reload((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
@@ -428,13 +429,14 @@ class RevalWorkerExtension:
 
     def reval_join_broadcast(self, address: str, worker_id: str, timeout_s: float) -> bool:
         self.reval_leave_broadcast()
-        backend, host, port = parse_address(address)
+        backend, host, port, secret = parse_address(address)
         if backend == "nccl" and self.device.type != "cuda":
             return False
         self._reval_receiver = BroadcastReceiver(
             host,
             port,
             f"{worker_id}/vllm{getattr(self, 'rank', 0)}",
+            secret,
             timeout_s=timeout_s,
             backend=backend,
             device=self.device if backend == "nccl" else "cpu",

@@ -36,7 +36,7 @@ from reval import registry
 from reval.config import RunConfig
 from reval.control import RunControl
 from reval.metrics import PREFIX
-from reval.policy import compute_dtype, load_policy
+from reval.policy import compute_dtype, load_policy, model_source
 from reval.weight_sync import build_subscriber
 from rollout.collect import collect_round
 from rollout.dealer import PromptDealer
@@ -147,7 +147,7 @@ def build_engine(
             tmp = tempfile.TemporaryDirectory(prefix="reval-vllm-")
             model, kw["tokenizer"] = tiny_checkpoint(cfg, seed, Path(tmp.name))
         else:
-            model = cfg.model.name_or_path
+            model = model_source(cfg.model.name_or_path)
         engine = VLLMEngine(
             model,
             seed=seed if worker_id is None else engine_seed(seed, worker_id),

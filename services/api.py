@@ -11,8 +11,9 @@ between steps.
 
 Security: mutating endpoints need ``Authorization: Bearer <token>`` (the token from the
 environment variable ``api.token_env``, compared in constant time); ``serve`` refuses to start
-with an empty or default token unless ``dev``; reads need it too with ``auth_reads``. Bodies
-beyond ``max_body_bytes`` get 413. The listen address is loopback unless configured.
+with an empty, default, short or low-entropy token (``token_problem``) unless ``dev``; reads
+need it too with ``auth_reads``. Bodies beyond ``max_body_bytes`` get 413. The listen address
+is loopback unless configured.
 """
 
 from __future__ import annotations
@@ -39,8 +40,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from pydantic import BaseModel, ConfigDict, Field
 
 from reval import registry
-from reval.config import ApiConfig, BufferConfig, ConfigError, build_config
-from reval.control import LiveHParams, RunControl, runs_key
+from reval.config import (
+    ENV_PREFIX,
+    ApiConfig,
+    BufferConfig,
+    ConfigError,
+    RunConfig,
+    build_config,
+    public_dump,
+)
+from reval.control import LiveHParams, RunControl, lease_key, runs_key
 
 log = logging.getLogger("reval.api")
 
@@ -125,6 +134,46 @@ class Health(BaseModel):
 
 
 # -- the app ----------------------------------------------------------------------------------
+
+
+def _under(path: str | Path, root: str | Path) -> bool:
+    """Whether ``path`` is ``root`` or lies below it, symbolic links and ``..`` resolved (as
+    the run, started from this process's directory, would resolve them)."""
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def _hub_id(name: str) -> bool:
+    """``NAME`` or ``ORG/NAME`` that is not also a path here (``from_pretrained`` prefers a
+    local directory of that name)."""
+    return (
+        not name.startswith(("/", ".", "~", "\\"))
+        and name.count("/") <= 1
+        and not os.path.lexists(name)
+    )
+
+
+def _confine(run: RunConfig, api: ApiConfig) -> None:
+    """A POSTed config writes only under the API's ``output_dir`` and reads local models and
+    datasets only under its ``models_dir``; a 422 naming the field otherwise."""
+    problems: list[tuple[list[str], str]] = []
+    for loc, value in ((["output_dir"], run.output_dir), (["sync", "weights_dir"],
+                                                          run.sync.weights_dir)):  # fmt: skip
+        if value is not None and not _under(value, api.output_dir):
+            problems.append((loc, f"must lie under the API's output_dir {api.output_dir!r}"))
+    for loc, value in ((["model", "name_or_path"], run.model.name_or_path),
+                       (["task", "dataset"], run.task.dataset)):  # fmt: skip
+        if value is None or _hub_id(value):
+            continue
+        if api.models_dir is None:
+            problems.append((loc, "must be a hub id (ORG/NAME): this API has no models_dir "
+                             "for local paths"))  # fmt: skip
+        elif not _under(value, api.models_dir):
+            problems.append((loc, "must be a hub id (ORG/NAME) or a path under the API's "
+                             f"models_dir {api.models_dir!r}"))  # fmt: skip
+    if problems:
+        raise HTTPException(422, [{"loc": ["body", "config", *loc], "msg": msg,
+                                   "type": "value_error"} for loc, msg in problems])  # fmt: skip
 
 
 class _BodyLimit:
@@ -286,9 +335,14 @@ def create_app(
         child = app.state.children.get(pid)
         if child is not None:
             child.poll()  # reap it when it has exited
-        if entry.get("external"):  # started outside the API: its status is all there is
-            alive = status.get("phase") not in FINISHED
+        if entry.get("external"):  # started outside the API: its status and its lease
+            # The learner holds the run's lease while it lives (renewed every third of
+            # learner.lease_s): a status that says running with no lease is a learner that died.
             phase = status.get("phase", "starting")
+            held = bool(store.client.exists(lease_key(cfg.key_prefix, name)))
+            alive = phase not in FINISHED and held
+            if not alive and phase not in FINISHED:
+                phase = "failed"
         else:
             # The launch driver's heartbeat in Redis (any API replica or host sees it); a local
             # child's pid; or a start too recent for a first heartbeat.
@@ -347,7 +401,9 @@ def create_app(
         path.write_text(json.dumps(entry["config"], indent=2))
         if launcher is not None:
             return launcher(name, path)
-        env = dict(os.environ)
+        # The run's Redis URL is the API's own (create_run made it so); its password reaches
+        # the run through the environment, never through a file or the runs hash.
+        env = {**os.environ, f"{ENV_PREFIX}BUFFER__REDIS_URL": cfg.redis_url}
         if cfg.ray_address:
             env["RAY_ADDRESS"] = cfg.ray_address
         elif not env.get("RAY_ADDRESS"):
@@ -422,7 +478,9 @@ def create_app(
                                            "type": "value_error"}])  # fmt: skip
             buffer[key] = value
         data["buffer"] = buffer
-        data.setdefault("output_dir", cfg.output_dir)
+        # (a resolved config, as ``reval runs create`` sends, carries the default: the API's)
+        if data.get("output_dir") in (None, RunConfig.model_fields["output_dir"].default):
+            data["output_dir"] = cfg.output_dir
         if body.workers is not None:
             data["launch"] = {**section("launch"), "workers": body.workers}
         try:
@@ -430,6 +488,7 @@ def create_app(
         except ConfigError as err:
             raise HTTPException(422, [{"loc": ["body", "config"], "msg": str(err),
                                        "type": "value_error"}]) from None  # fmt: skip
+        _confine(run_cfg, cfg)
         name = run_cfg.name
         old = store.get(name)
         if old is not None and info(name, old).phase not in (*FINISHED, "registered"):
@@ -445,7 +504,7 @@ def create_app(
         control.clear()
         entry: dict[str, Any] = {
             "created": time.time(),
-            "config": run_cfg.model_dump(mode="json"),
+            "config": public_dump(run_cfg),  # (no secret in Redis: ``launch`` adds it back)
             "pid": None,
             "started": False,
         }
@@ -584,13 +643,36 @@ def _valid_stream_id(s: str) -> bool:
     return ms.isdigit() and (seq == "" or seq.isdigit())
 
 
+MIN_TOKEN_CHARS = 16
+MIN_TOKEN_BITS = 30.0
+"""A token's length times the Shannon entropy of its own characters must reach this (a measure
+of how varied it is, not of how it was made): 16 random hex digits measure 51 bits on average
+and never below 32 in 200,000 draws; ``aaaaaaaaaaaaaaaa`` measures 0, ``abababababababab`` 16."""
+
+
+def token_problem(token: str) -> str | None:
+    """What is wrong with an API token (None: nothing): empty or a default, shorter than
+    ``MIN_TOKEN_CHARS``, or too little entropy (one character repeated, a short pattern)."""
+    if token.strip().lower() in DEFAULT_TOKENS:
+        return "is empty or a default"
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"is shorter than {MIN_TOKEN_CHARS} characters"
+    counts = [token.count(c) for c in set(token)]
+    bits = sum(n * math.log2(len(token) / n) for n in counts)
+    if bits < MIN_TOKEN_BITS:
+        return f"has too little entropy ({bits:.0f} bits, at least {MIN_TOKEN_BITS:.0f})"
+    return None
+
+
 def serve(cfg: ApiConfig, ray: bool = False, replicas: int = 1) -> int:
     """``reval serve``: uvicorn on ``cfg.host:cfg.port`` (or Ray Serve with ``ray``)."""
 
     token = os.environ.get(cfg.token_env, "")
-    if not cfg.dev and (token.strip().lower() in DEFAULT_TOKENS or len(token) < 16):
+    problem = token_problem(token)
+    if not cfg.dev and problem is not None:
         print(
-            f"reval serve: set {cfg.token_env} to a secret of at least 16 characters "
+            f"reval serve: {cfg.token_env} {problem}: set it to a random secret, e.g. "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'` "
             "(or --dev for development only)",
             file=sys.stderr,
         )

@@ -14,6 +14,7 @@ replica), ``serve.start(http_options=...)``, ``serve.run``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from reval.config import ApiConfig
@@ -22,7 +23,9 @@ from services.api import ray_app
 
 def app_builder(args: dict[str, str]) -> Any:
     """For ``serve run services.api_serve:app_builder key=value ...`` and a RayService's
-    ``serveConfigV2`` (ApiConfig fields, plus ``replicas``)."""
-    fields = dict(args)
+    ``serveConfigV2`` (ApiConfig fields, plus ``replicas``). ``$VAR`` and ``${VAR}`` in a value
+    are this process's environment variables (a secret from the pod's environment: the Redis
+    password in ``redis_url``, deploy/k8s/rayservice-api.yaml)."""
+    fields = {k: os.path.expandvars(v) for k, v in args.items()}
     replicas = int(fields.pop("replicas", 1))
     return ray_app(ApiConfig(**fields), replicas)

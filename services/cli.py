@@ -20,6 +20,17 @@ ALGO_OVERRIDES = {
 }
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (``--nproc 0`` or ``-1`` is an error, not a default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _config_args(parser: argparse.ArgumentParser, set_help: str) -> None:
     parser.add_argument("--config", help="TOML config (default: configs/demo.toml)")
     parser.add_argument(
@@ -48,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the latest checkpoint when the run has one, else start (containers "
         "that may be restarted)",
     )
-    le.add_argument("--nproc", type=int, help="ranks to spawn (default learner.world_size)")
+    le.add_argument(
+        "--nproc", type=_positive_int, help="ranks to spawn (default learner.world_size)"
+    )
     le.add_argument(
         "--export",
         action="store_true",

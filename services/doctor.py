@@ -30,9 +30,12 @@ SHM_MIN_BYTES = 1 << 30
 first large transfer (Docker's default is 64 MB; ``reval compose`` sets ``shm_size``)."""
 CHECKPOINTS_KEPT = 2
 """Free disk asked for: room for this many checkpoints (the one being written and the last)."""
-CHECKPOINT_BYTES_PER_PARAM = 12
-"""A learner checkpoint holds fp32 weights and AdamW's two fp32 moments: 12 bytes per parameter
-(about 18 GB for a 1.5B model, 90 GB for a 7B one)."""
+def checkpoint_bytes_per_param(cfg: RunConfig) -> int:
+    """A learner checkpoint holds the fp32 master weights and AdamW's two fp32 moments (12 bytes
+    a parameter) and the frozen reference in the compute dtype (``model.dtype``: 2 bytes in
+    bf16/fp16, 4 in fp32): 14 bytes a parameter for the GPU presets, about 21 GB for a 1.5B
+    model and 98 GB for a 7B one."""
+    return 12 + (4 if cfg.model.dtype == "float32" else 2)
 UNKNOWN_CHECKPOINT_BYTES = 100 << 30
 """Checkpoint size assumed when the model's weights are not on this disk to measure and its
 name does not say its size."""
@@ -94,7 +97,7 @@ def ports(cfg: RunConfig) -> dict[int, str]:
 
 
 def checkpoint_bytes(cfg: RunConfig) -> int:
-    """One learner checkpoint's size: 12 bytes per parameter, the parameters counted from the
+    """One learner checkpoint's size (``checkpoint_bytes_per_param``), the parameters counted from the
     model's local weight files (2 bytes each in bf16/fp16, 4 in fp32), else read from a hub id's
     name (``…-1.5B``)."""
     path = cfg.model.name_or_path
@@ -104,11 +107,11 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
     if not files:  # a hub id: its size from its name (…-1.5B, …-7B), if it says
         named = re.findall(r"(?<![0-9.])([0-9]+(?:\.[0-9]+)?)[Bb](?![A-Za-z0-9])", Path(path).name)
         if named:
-            return int(float(named[-1]) * 1e9) * CHECKPOINT_BYTES_PER_PARAM
+            return int(float(named[-1]) * 1e9) * checkpoint_bytes_per_param(cfg)
         return UNKNOWN_CHECKPOINT_BYTES
     stored = sum(f.stat().st_size for f in files)
     bytes_per_param = 4 if cfg.model.dtype == "float32" else 2
-    return stored // bytes_per_param * CHECKPOINT_BYTES_PER_PARAM
+    return stored // bytes_per_param * checkpoint_bytes_per_param(cfg)
 
 
 def _gb(n: float) -> str:

@@ -26,7 +26,9 @@ from reval.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "compose-test-token-0123456789"
-SECRETS = {"REVAL_API_TOKEN": TOKEN, "GRAFANA_ADMIN_PASSWORD": "compose-test"}
+REDIS_PASSWORD = "compose0redis0password"
+SECRETS = {"REVAL_API_TOKEN": TOKEN, "GRAFANA_ADMIN_PASSWORD": "compose-test",
+           "REDIS_PASSWORD": REDIS_PASSWORD}  # fmt: skip
 
 
 def free_port() -> int:
@@ -102,7 +104,9 @@ def test_compose_file_is_valid():
     # Required settings are ${VAR:?}: without them the file does not resolve.
     tool = shutil.which("docker-compose")
     assert tool is not None
-    env = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    env = {k: v for k, v in os.environ.items() if k != "REVAL_API_TOKEN"} | {
+        k: v for k, v in SECRETS.items() if k != "REVAL_API_TOKEN"
+    }
     done = subprocess.run([tool, "-f", str(ROOT / "docker-compose.yml"), "config"],
                           capture_output=True, text=True, env=env)  # fmt: skip
     assert done.returncode != 0 and "REVAL_API_TOKEN" in done.stderr
@@ -113,7 +117,7 @@ def local(service: dict, tmp: Path, redis_url: str, prefix: str, ports: dict[int
     """The service's command and environment, pointed at this machine."""
 
     def fix(text: str) -> str:
-        text = text.replace("redis://redis:6379/0", redis_url)
+        text = text.replace(f"redis://:{REDIS_PASSWORD}@redis:6379/0", redis_url)
         text = text.replace("/app/configs", str(ROOT / "configs"))
         text = text.replace("/runs", str(tmp / "runs"))
         for port, here in ports.items():  # "9401" and "metrics.prometheus_port=9400"
@@ -198,3 +202,30 @@ def test_compose_services_run_as_local_processes(tmp_path, redis_url, redis_pref
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_redis_requires_the_password_everyone_uses():
+    """deploy/redis.conf runs in protected mode (issue 19): Redis takes the password from
+    REDIS_PASSWORD, the file does not resolve without it, and every URL carries it."""
+    conf = (ROOT / "deploy" / "redis.conf").read_text()
+    assert "\nprotected-mode yes\n" in conf and "requirepass" not in conf.replace(
+        "--requirepass", ""
+    )  # (no password in the repository)
+    services = compose_config(**SECRETS)["services"]
+    command = services["redis"]["command"]
+    assert command[command.index("--requirepass") + 1] == REDIS_PASSWORD
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == REDIS_PASSWORD
+    url = f"redis://:{REDIS_PASSWORD}@redis:6379/0"
+    for name, svc in services.items():
+        env = svc.get("environment") or {}
+        if "REVAL__BUFFER__REDIS_URL" in env:
+            assert env["REVAL__BUFFER__REDIS_URL"] == url, name
+    assert url in services["api"]["command"]
+    tool = shutil.which("docker-compose")
+    assert tool is not None
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"} | {
+        k: v for k, v in SECRETS.items() if k != "REDIS_PASSWORD"
+    }
+    done = subprocess.run([tool, "-f", str(ROOT / "docker-compose.yml"), "config"],
+                          capture_output=True, text=True, env=env)  # fmt: skip
+    assert done.returncode != 0 and "REDIS_PASSWORD" in done.stderr

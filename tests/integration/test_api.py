@@ -6,6 +6,8 @@ run's phases are driven here by writing its status as a learner would; the live 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -270,3 +272,130 @@ def test_start_again_resumes_and_recreate_is_refused(api_cfg, monkeypatch, tmp_p
     got = c.get("/v1/runs/again").json()
     assert got["phase"] == "starting" and got["step"] is None  # the old final status is gone
     assert c.post("/v1/runs/again/start", headers=AUTH).status_code == 409  # not twice
+
+
+# -- issue 19: API-created runs stay in their directories -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "loc"),
+    [
+        ({"output_dir": "../../../tmp/x"}, ["output_dir"]),
+        ({"output_dir": "/tmp"}, ["output_dir"]),
+        ({"sync": {"weights_dir": "/tmp/w"}}, ["sync", "weights_dir"]),
+        ({"model": {"name_or_path": "/etc"}}, ["model", "name_or_path"]),
+        ({"model": {"name_or_path": "./somewhere/else"}}, ["model", "name_or_path"]),
+        ({"task": {"kind": "math", "dataset": "/data/x.jsonl"}}, ["task", "dataset"]),
+    ],
+)
+def test_a_posted_config_cannot_reach_outside_the_apis_directories(client, api_cfg, config, loc):
+    r = client.post(
+        "/v1/runs", json={"config": {**small(), **config}, "start": False}, headers=AUTH
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["body", "config", *loc]
+    assert client.get("/v1/runs/r1").status_code == 404  # nothing registered
+
+
+def test_paths_inside_the_apis_directories_are_fine(api_cfg, monkeypatch, tmp_path):
+    models = tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    monkeypatch.setenv(api_cfg.token_env, TOKEN)
+    c = TestClient(create_app(api_cfg.model_copy(update={"models_dir": str(models)})))
+    config = {
+        **small(),
+        "output_dir": str(tmp_path / "sub"),
+        "sync": {"weights_dir": str(tmp_path / "sub" / "w")},
+        "model": {"name_or_path": str(models / "m")},
+    }
+    r = c.post("/v1/runs", json={"config": config, "start": False}, headers=AUTH)
+    assert r.status_code == 201, r.text
+    hub = {**small("r2"), "model": {"name_or_path": "Qwen/Qwen2.5-Math-7B"}}
+    r = c.post("/v1/runs", json={"config": hub, "start": False}, headers=AUTH)
+    assert r.status_code == 201, r.text
+    outside = {**small("r3"), "model": {"name_or_path": str(tmp_path / "models-evil")}}
+    r = c.post("/v1/runs", json={"config": outside, "start": False}, headers=AUTH)
+    assert r.status_code == 422 and "models_dir" in r.text
+
+
+def test_a_learner_started_by_hand_that_died_shows_failed(client, api_cfg):
+    """Run status from the learner's heartbeat, its lease (issue 19): a learner started outside
+    the API registers itself; once its lease is gone without a final status it is ``failed``,
+    and mutating calls on it are 409 (they were 202, for a learner that had crashed)."""
+    from reval.control import RunLease, adopt_run
+
+    r = redis.Redis.from_url(api_cfg.redis_url)
+    adopt_run(r, api_cfg.key_prefix, "hand", {"name": "hand"})
+    lease = RunLease(r, api_cfg.key_prefix, "hand", ttl_s=0.5)
+    lease.acquire()
+    as_learner(api_cfg, "hand", "running")
+    assert client.get("/v1/runs/hand").json()["phase"] == "running"
+    r2 = client.patch("/v1/runs/hand/hparams", json={"lr": 1e-5}, headers=AUTH)
+    assert r2.status_code == 202
+    lease._stop.set()  # the learner dies: its lease is no longer renewed (nor released)
+    lease._thread.join()
+    time.sleep(0.7)
+    assert client.get("/v1/runs/hand").json()["phase"] == "failed"
+    for call in (
+        lambda: client.patch("/v1/runs/hand/hparams", json={"lr": 1e-5}, headers=AUTH),
+        lambda: client.post("/v1/runs/hand/pause", headers=AUTH),
+        lambda: client.post("/v1/runs/hand/checkpoint", headers=AUTH),
+    ):
+        assert call().status_code == 409
+    as_learner(api_cfg, "hand", "stopped")  # (a learner that stopped cleanly said so)
+    assert client.get("/v1/runs/hand").json()["phase"] == "stopped"
+
+
+@pytest.mark.parametrize(
+    ("token", "why"),
+    [
+        ("aaaaaaaaaaaaaaaa", "too little entropy (0 bits"),
+        ("abababababababab", "too little entropy (16 bits"),
+        ("changeme", "empty or a default"),
+        ("short-Tok3n", "shorter than 16"),
+    ],
+)
+def test_serve_refuses_a_weak_token(api_cfg, monkeypatch, capsys, token, why):
+    from services.api import serve
+
+    monkeypatch.setenv(api_cfg.token_env, token)
+    assert serve(api_cfg) == 2  # (before: aaaaaaaaaaaaaaaa was accepted)
+    assert why in capsys.readouterr().err
+
+
+def test_real_tokens_pass_the_entropy_check():
+    import random
+    import secrets
+
+    from services.api import token_problem
+
+    rng = random.Random(19)
+    for _ in range(5000):  # 16 random hex digits
+        assert token_problem("".join(rng.choice("0123456789abcdef") for _ in range(16))) is None
+    assert token_problem(secrets.token_urlsafe(32)) is None
+    assert token_problem(TOKEN) is None
+
+
+def test_the_redis_password_is_never_written(tmp_path, redis_url, redis_prefix, monkeypatch):
+    """Secrets redacted (issue 19): the Redis URL's password was written to the runs hash and
+    to the run's config files. (Redis's default user has no password here: it takes any.)"""
+    from reval.config import build_config, dump_config, public_dump
+
+    host = redis_url.split("://", 1)[1]
+    url = f"redis://default:s3cret-pw@{host}"
+    cfg = ApiConfig(redis_url=url, key_prefix=redis_prefix, output_dir=str(tmp_path))
+    monkeypatch.setenv(cfg.token_env, TOKEN)
+    launched = []
+    app = create_app(cfg, launcher=lambda name, path: launched.append(path.read_text()) or 0)
+    c = TestClient(app)
+    assert (
+        c.post("/v1/runs", json={"config": small(), "start": True}, headers=AUTH).status_code == 201
+    )
+    r = redis.Redis.from_url(redis_url)
+    stored = b"".join(r.hvals(f"{redis_prefix}api:runs"))
+    assert b"s3cret-pw" not in stored and b"default:***@" in stored
+    assert launched and "s3cret-pw" not in launched[0]
+    run = build_config({"buffer": {"backend": "redis", "redis_url": url}})
+    dump_config(run, tmp_path / "config.json")
+    assert "s3cret-pw" not in (tmp_path / "config.json").read_text()
+    assert public_dump(run)["buffer"]["redis_url"] == f"redis://default:***@{host}"

@@ -4,7 +4,9 @@ engine loads what it received (zeroed weights give uniform log-probs)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from reval.broadcast import (
     BroadcastHub,
@@ -57,8 +60,8 @@ def joined(hub: BroadcastHub, n: int, timeout: float = 10.0) -> None:
 @pytest.mark.timeout(120)
 def test_members_join_at_any_time_and_get_the_next_version():
     hub = BroadcastHub(0, host="127.0.0.1", timeout_s=10, bucket_bytes=2048)
-    r1 = BroadcastReceiver("127.0.0.1", hub.port, "w1", timeout_s=10)
-    r2 = BroadcastReceiver("127.0.0.1", hub.port, "w2", timeout_s=10)
+    r1 = BroadcastReceiver("127.0.0.1", hub.port, "w1", hub.secret, timeout_s=10)
+    r2 = BroadcastReceiver("127.0.0.1", hub.port, "w2", hub.secret, timeout_s=10)
     try:
         joined(hub, 2)
         assert hub.sync(weights(1.0), 1) == 2
@@ -67,7 +70,7 @@ def test_members_join_at_any_time_and_get_the_next_version():
             assert version == 1 and tensors_equal(got, weights(1.0))
         assert hub.sync(weights(2.0), 2) == 2  # same group: no new generation
         assert hub.generation == 1
-        r3 = BroadcastReceiver("127.0.0.1", hub.port, "w3", timeout_s=10)  # a newcomer
+        r3 = BroadcastReceiver("127.0.0.1", hub.port, "w3", hub.secret, timeout_s=10)  # a newcomer
         joined(hub, 3)
         assert hub.sync(weights(3.0), 3) == 3
         assert hub.generation == 2
@@ -83,10 +86,10 @@ def test_members_join_at_any_time_and_get_the_next_version():
 @pytest.mark.timeout(120)
 def test_a_killed_member_costs_at_most_one_timeout():
     hub = BroadcastHub(0, host="127.0.0.1", timeout_s=3, bucket_bytes=4096)
-    alive = BroadcastReceiver("127.0.0.1", hub.port, "alive", timeout_s=3)
+    alive = BroadcastReceiver("127.0.0.1", hub.port, "alive", hub.secret, timeout_s=3)
     code = (
         "import sys, time; from reval.broadcast import BroadcastReceiver as R; "
-        f"r = R('127.0.0.1', {hub.port}, 'doomed', timeout_s=3); time.sleep(600)"
+        f"r = R('127.0.0.1', {hub.port}, 'doomed', '{hub.secret}', timeout_s=3); time.sleep(600)"
     )
     doomed = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     try:
@@ -118,7 +121,7 @@ def test_zeroed_weights_reach_the_workers_engine():
     worker = load_policy(ModelConfig(device="cpu"), seed=1)
     engine = HFEngine(worker.model, worker.pad_id, worker.eos_id)
     hub = BroadcastHub(0, host="127.0.0.1", timeout_s=10, bucket_bytes=64 << 10)
-    recv = BroadcastReceiver("127.0.0.1", hub.port, "w", timeout_s=10)
+    recv = BroadcastReceiver("127.0.0.1", hub.port, "w", hub.secret, timeout_s=10)
     try:
         joined(hub, 1)
         with torch.no_grad():
@@ -141,7 +144,7 @@ def test_syncs_reuse_their_buffers():
     """Steady state allocates nothing: the hub packs into and the receiver receives into buffers
     of earlier syncs (fresh memory page-faults at a tenth of the copy speed)."""
     hub = BroadcastHub(0, host="127.0.0.1", timeout_s=10, bucket_bytes=2048)
-    recv = BroadcastReceiver("127.0.0.1", hub.port, "w", timeout_s=10)
+    recv = BroadcastReceiver("127.0.0.1", hub.port, "w", hub.secret, timeout_s=10)
     try:
         joined(hub, 1)
         for v in range(1, 6):
@@ -159,24 +162,24 @@ def test_syncs_reuse_their_buffers():
 
 
 def test_addresses_and_backends():
-    assert parse_address("nccl://10.0.0.1:29500") == ("nccl", "10.0.0.1", 29500)
-    assert parse_address("gloo://learner-0:7000") == ("gloo", "learner-0", 7000)
-    assert parse_address("127.0.0.1:5") == ("gloo", "127.0.0.1", 5)  # before the scheme
-    for bad in ("nohost", "gloo://host:", "nccl://:12", "host:port"):
+    assert parse_address("nccl://10.0.0.1:29500/s3") == ("nccl", "10.0.0.1", 29500, "s3")
+    assert parse_address("gloo://learner-0:7000/ab") == ("gloo", "learner-0", 7000, "ab")
+    assert parse_address("127.0.0.1:5/x") == ("gloo", "127.0.0.1", 5, "x")  # before the scheme
+    for bad in ("nohost", "gloo://host:", "nccl://:12", "host:port", "gloo://h:1", "h:1/"):
         with pytest.raises(ValueError, match="broadcast address"):
             parse_address(bad)
     with pytest.raises(ValueError, match="CUDA"):
         BroadcastHub(0, host="127.0.0.1", backend="nccl", device="cpu")
     with pytest.raises(ValueError, match="CUDA"):
-        BroadcastReceiver("127.0.0.1", 1, "w", backend="nccl", device="cpu")
+        BroadcastReceiver("127.0.0.1", 1, "w", "s", backend="nccl", device="cpu")
     with pytest.raises(ValueError, match="unknown broadcast backend"):
         BroadcastHub(0, host="127.0.0.1", backend="mpi")
     with pytest.raises(ValueError, match="unknown broadcast backend"):
         make_group("mpi", None, 0, 1, 1.0)
 
 
-def _nccl_member(port: int, out: str) -> None:
-    recv = BroadcastReceiver("127.0.0.1", port, "gpu1", timeout_s=60, backend="nccl",
+def _nccl_member(port: int, secret: str, out: str) -> None:
+    recv = BroadcastReceiver("127.0.0.1", port, "gpu1", secret, timeout_s=60, backend="nccl",
                              device="cuda:1")  # fmt: skip
     try:
         version, got = wait_for(recv, 2, timeout=120)
@@ -195,7 +198,7 @@ def test_nccl_hub_on_two_gpus(tmp_path):
                        device="cuda:0")  # fmt: skip
     out = tmp_path / "got.pt"
     ctx = torch.multiprocessing.get_context("spawn")
-    member = ctx.Process(target=_nccl_member, args=(hub.port, str(out)))
+    member = ctx.Process(target=_nccl_member, args=(hub.port, hub.secret, str(out)))
     member.start()
     try:
         joined(hub, 1, timeout=60)
@@ -209,3 +212,51 @@ def test_nccl_hub_on_two_gpus(tmp_path):
     finally:
         if member.is_alive():
             member.kill()
+
+
+# -- issue 19: who can reach the hub ------------------------------------------------------------
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_the_hub_listens_only_where_it_is_told():
+    """127.0.0.2 is this machine too (all of 127/8 is loopback): a listener on every interface
+    accepts there, one bound to 127.0.0.1 does not. The hub used to listen on every interface
+    whatever address it was given."""
+    hub = BroadcastHub(0, host="127.0.0.1", timeout_s=5)
+    try:
+        assert _accepts("127.0.0.1", hub.port) and not _accepts("127.0.0.2", hub.port)
+    finally:
+        hub.close()
+    everywhere = BroadcastHub(0, host="0.0.0.0", timeout_s=5)
+    try:
+        assert _accepts("127.0.0.2", everywhere.port)  # (what makes the check above mean it)
+    finally:
+        everywhere.close()
+
+
+def test_joining_needs_the_runs_secret():
+    hub = BroadcastHub(0, host="127.0.0.1", timeout_s=5, bucket_bytes=2048)
+    intruder = BroadcastReceiver("127.0.0.1", hub.port, "intruder", "not-the-secret", timeout_s=5)
+    member = BroadcastReceiver("127.0.0.1", hub.port, "member", hub.secret, timeout_s=5)
+    try:
+        joined(hub, 1)
+        time.sleep(0.5)
+        assert hub._tickets() == [1]  # the intruder's ticket went elsewhere
+        assert hub.sync(weights(1.0), 1) == 1
+        assert wait_for(member, 1)[0] == 1
+        assert intruder.received == 0
+        # A plain client of the store sees none of the hub's keys.
+        raw = TCPStore("127.0.0.1", hub.port, is_master=False, timeout=dt.timedelta(seconds=2))
+        assert not raw.check(["tickets"]) and not raw.check(["generation"])
+        raw.set("generation", "99")  # and what it writes is not what the workers read
+        assert hub.sync(weights(2.0), 2) == 1
+    finally:
+        intruder.close()
+        member.close()

@@ -324,7 +324,7 @@ def test_update_weights_from_a_gloo_hub(
     try:
         assert_broadcast_loads(
             vllm_engine,
-            f"gloo://127.0.0.1:{hub.port}",
+            f"gloo://127.0.0.1:{hub.port}/{hub.secret}",
             lambda: int(hub.store.add("tickets", 0)),
             lambda: hub.sync(state.items(), 3),
             new,
@@ -345,7 +345,7 @@ from reval.broadcast import BroadcastHub
 state = torch.load(sys.argv[1])
 hub = BroadcastHub(0, host="127.0.0.1", timeout_s=60, bucket_bytes=256 << 10, backend="nccl",
                    device="cuda:1")
-print(hub.port, flush=True)
+print(f"{hub.port}/{hub.secret}", flush=True)
 for line in sys.stdin:  # one line per sync, once a worker has joined; answers the receivers
     while int(hub.store.add("tickets", 0)) < 1:
         time.sleep(0.02)
@@ -379,7 +379,7 @@ def test_update_weights_from_an_nccl_hub(
         text=True,
     )
     assert hub.stdin is not None and hub.stdout is not None
-    port = int(hub.stdout.readline())
+    port = hub.stdout.readline().strip()  # (port/secret)
 
     def sync() -> int:
         hub.stdin.write("3\n")  # type: ignore[union-attr]

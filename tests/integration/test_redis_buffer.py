@@ -323,7 +323,8 @@ def test_keys_live_under_the_prefix_only(redis_url, redis_prefix):
 
 
 def test_the_deploy_redis_config_runs_with_aof_everysec(tmp_path):
-    """deploy/redis.conf as compose mounts it (only the data dir and port moved here)."""
+    """deploy/redis.conf as compose mounts it and starts it (with --requirepass; only the data
+    dir and port moved here): clients without the password are refused."""
     import yaml
 
     if shutil.which("redis-server") is None:
@@ -336,10 +337,11 @@ def test_the_deploy_redis_config_runs_with_aof_everysec(tmp_path):
     conf = conf.replace("port 6379", f"port {port}").replace("bind 0.0.0.0", "bind 127.0.0.1")
     (tmp_path / "redis.conf").write_text(conf)
     proc = subprocess.Popen(
-        ["redis-server", str(tmp_path / "redis.conf")], stdout=subprocess.PIPE, text=True
-    )
+        ["redis-server", str(tmp_path / "redis.conf"), "--requirepass", "pw-of-the-test"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
-        client = redis.Redis(port=port, socket_connect_timeout=0.2)
+        client = redis.Redis(port=port, socket_connect_timeout=0.2, password="pw-of-the-test")
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -352,7 +354,11 @@ def test_the_deploy_redis_config_runs_with_aof_everysec(tmp_path):
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("appendfsync") == {"appendfsync": "everysec"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
-        ring = RedisRing("conf", 10, url=f"redis://127.0.0.1:{port}/0", key_prefix="t:")
+        assert client.config_get("protected-mode") == {"protected-mode": "yes"}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        url = f"redis://:pw-of-the-test@127.0.0.1:{port}/0"
+        ring = RedisRing("conf", 10, url=url, key_prefix="t:")
         ring.insert([make_traj(0)])
         assert len(ring.sample(1)) == 1
     finally:

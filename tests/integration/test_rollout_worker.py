@@ -244,14 +244,14 @@ def test_worker_on_cpu_reads_files_when_the_learner_broadcasts_over_nccl(
     from reval.broadcast import BroadcastHub
 
     cfg = worker_cfg(tmp_path, redis_url, redis_prefix, "rollout.worker_prompts=2")
-    publish(cfg, 3, broadcast="nccl://127.0.0.1:9")
+    publish(cfg, 3, broadcast="nccl://127.0.0.1:9/s")
     worker = RolloutWorker(cfg, "wn")
     try:
         assert worker.wait_for_weights(timeout_s=20)
         assert worker.engine.policy_version == 3 and worker.weights.backend is None
         # A gloo hub, announced with the next version: the worker joins it.
         hub = BroadcastHub(0, host="127.0.0.1", timeout_s=10)
-        publish(cfg, 4, broadcast=f"gloo://127.0.0.1:{hub.port}")
+        publish(cfg, 4, broadcast=f"gloo://127.0.0.1:{hub.port}/{hub.secret}")
         assert worker._load()
         assert worker.engine.policy_version == 4 and worker.weights.backend == "gloo"
         assert worker.stats.weight_loads == 2

@@ -60,7 +60,7 @@ from reval.broadcast import BroadcastHub
 orig = load_file(os.path.join(sys.argv[1], "model.safetensors"))
 weights = {"orig": orig, "zero": {k: torch.zeros_like(v) for k, v in orig.items()}}
 hub = BroadcastHub(0, host="127.0.0.1", timeout_s=float(sys.argv[2]), bucket_bytes=8 << 20)
-print(hub.port, flush=True)
+print(f"{hub.port}/{hub.secret}", flush=True)
 for line in sys.stdin:
     cmd, *args = line.split()
     if cmd == "tickets":
@@ -83,7 +83,8 @@ for line in sys.stdin:
 DOOMED = """
 import sys, time
 from reval.broadcast import BroadcastReceiver
-r = BroadcastReceiver("127.0.0.1", int(sys.argv[1]), "doomed", timeout_s=float(sys.argv[2]))
+port, secret = sys.argv[1].split("/")
+r = BroadcastReceiver("127.0.0.1", int(port), "doomed", secret, timeout_s=float(sys.argv[2]))
 print("joined", flush=True)
 time.sleep(600)
 """
@@ -103,7 +104,7 @@ class Learner:
             text=True,
             cwd=ROOT,
         )
-        self.address = f"gloo://127.0.0.1:{int(self._read())}"
+        self.address = f"gloo://127.0.0.1:{self._read().strip()}"  # (port/secret)
 
     def _read(self) -> str:
         assert self.proc.stdout is not None
@@ -204,7 +205,7 @@ def test_one_hop_late_joiner_and_a_worker_killed_mid_sync(
     assert nbytes > 200 << 20
     before = engine.generate(PROMPTS, PARAMS, seed=3)
     learner = Learner(path)
-    port = learner.address.rpartition(":")[2]
+    port = learner.address.rpartition(":")[2]  # (port/secret)
     doomed = subprocess.Popen(
         [sys.executable, "-c", DOOMED, port, str(TIMEOUT_S)],
         stdout=subprocess.PIPE,

@@ -140,10 +140,10 @@ class SelfReceivingEngine(CountingEngine):
 
     def join_broadcast(self, address: str, worker_id: str, timeout_s: float) -> bool:
         self.calls.append("join")
-        backend, host, port = parse_address(address)
+        backend, host, port, secret = parse_address(address)
         if backend != "gloo":
             return False
-        self.receiver = BroadcastReceiver(host, port, worker_id, timeout_s=timeout_s)
+        self.receiver = BroadcastReceiver(host, port, worker_id, secret, timeout_s=timeout_s)
         self.broadcast_backend = backend
         return True
 
@@ -172,7 +172,7 @@ def test_files_and_gloo_broadcast_load_the_same_weights(tmp_path, redis_url, red
     client = redis.Redis.from_url(redis_url)
     publisher = build_publisher(cfg, client, torch.device("cpu"))
     assert publisher.hub is not None and publisher.hub.backend == "gloo"
-    assert publisher.address == f"gloo://127.0.0.1:{publisher.hub.port}"
+    assert publisher.address == f"gloo://127.0.0.1:{publisher.hub.port}/{publisher.hub.secret}"
     engine_a, engine_b = hf_engine(cfg, 1), hf_engine(cfg, 2)
     a = build_subscriber(cfg, client, "a")
     b = build_subscriber(cfg, client, "b")
@@ -326,15 +326,15 @@ def test_an_nccl_hub_and_an_engine_off_cuda_means_files(tmp_path, redis_url, red
     client = redis.Redis.from_url(redis_url)
     store = WeightStore(client, redis_prefix, "ws", cfg.run_dir / "weights")
     w = learner_weights(cfg, 1)
-    store.publish(w.items(), 2, broadcast="nccl://127.0.0.1:9")
+    store.publish(w.items(), 2, broadcast="nccl://127.0.0.1:9/s")
     engine = hf_engine(cfg, 1)
     sub = build_subscriber(cfg, client, "w")
     try:
         assert sub.update(engine) == 2 and sub.source == "file"
-        assert sub.hub == "nccl://127.0.0.1:9" and sub.backend is None
+        assert sub.hub == "nccl://127.0.0.1:9/s" and sub.backend is None
         assert not sub.joined_broadcast
         assert_same(state_of(engine), w)
-        store.publish(w.items(), 3, broadcast="nccl://127.0.0.1:9")
+        store.publish(w.items(), 3, broadcast="nccl://127.0.0.1:9/s")
         assert sub.update(engine) == 3 and sub.backend is None
     finally:
         sub.close()
@@ -353,14 +353,14 @@ def test_publisher_without_a_hub_and_the_backend_choice(tmp_path, redis_url, red
     # sync.backend overrides the choice from the device; an NCCL hub needs a CUDA device.
     gloo = build_publisher(
         config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true", "sync.backend=gloo",
-               "sync.broadcast_host=learner-0"),
+               "sync.broadcast_host=learner-0", "sync.broadcast_bind=127.0.0.1"),
         client,
         "cuda",
     )  # fmt: skip
     try:
         assert gloo.hub is not None and gloo.hub.backend == "gloo"
         assert gloo.hub.device == torch.device("cpu")
-        assert gloo.address == f"gloo://learner-0:{gloo.hub.port}"
+        assert gloo.address == f"gloo://learner-0:{gloo.hub.port}/{gloo.hub.secret}"
     finally:
         gloo.close()
     nccl = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true", "sync.backend=nccl")
@@ -401,12 +401,17 @@ def test_an_auto_broadcast_host_announces_the_learners_own_address(
     )
     client = redis.Redis.from_url(redis_url)
     cfg = config(
-        tmp_path, redis_url, redis_prefix, "sync.broadcast=true", "sync.broadcast_host=auto"
+        tmp_path,
+        redis_url,
+        redis_prefix,
+        "sync.broadcast=true",
+        "sync.broadcast_host=auto",
+        "sync.broadcast_bind=127.0.0.1",  # (10.4.0.7 is not this machine's)
     )
     publisher = build_publisher(cfg, client, "cpu")
     try:
         assert publisher.hub is not None
-        assert publisher.address == f"gloo://10.4.0.7:{publisher.hub.port}"
+        assert publisher.address == f"gloo://10.4.0.7:{publisher.hub.port}/{publisher.hub.secret}"
         publisher.publish(learner_weights(cfg, 1).items(), 1)  # (no member: nothing is sent)
         ann = publisher.store.latest()
         assert ann is not None and ann.broadcast == publisher.address
@@ -414,3 +419,33 @@ def test_an_auto_broadcast_host_announces_the_learners_own_address(
         publisher.close()
     monkeypatch.setattr(ws.socket, "gethostbyname", lambda name: (_ for _ in ()).throw(OSError()))
     assert ws.discover_host() == "learner-0.reval.svc"  # a name that does not resolve: as is
+
+
+@pytest.mark.parametrize("damage", ["pruned", "cut short", "not safetensors"])
+def test_an_unreadable_announced_file_keeps_the_weights_in_hand(
+    tmp_path, redis_url, redis_prefix, damage
+):
+    """The weights-file race (issue 19): the learner prunes (or a shared volume cuts short) the
+    file a worker is about to read. safetensors raises FileNotFoundError for a missing file but
+    SafetensorError for a damaged one; neither may end the worker."""
+    cfg = config(tmp_path, redis_url, redis_prefix)
+    client = redis.Redis.from_url(redis_url)
+    store = WeightStore(client, redis_prefix, "ws", cfg.run_dir / "weights")
+    engine = hf_engine(cfg, 1)
+    sub = WeightSubscriber(store, "w")
+    w1 = learner_weights(cfg, 1)
+    store.publish(w1.items(), 1)
+    assert sub.update(engine) == 1
+    path = store.publish(learner_weights(cfg, 2).items(), 2)
+    if damage == "pruned":
+        path.unlink()
+    elif damage == "cut short":
+        path.write_bytes(path.read_bytes()[:-64])
+    else:
+        path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    assert sub.update(engine) is None  # before: SafetensorError out of the worker's loop
+    assert sub.version == 1
+    assert_same(state_of(engine), w1)
+    store.publish(learner_weights(cfg, 3).items(), 3)
+    assert sub.update(engine) == 3  # the next announcement is read as usual
+    sub.close()

@@ -136,3 +136,54 @@ def test_samples_per_insert_follows_the_schedule_unless_set(tmp_path):
     assert grpo.samples_per_insert == 1.0
     fixed = load_config(overrides=["buffer.samples_per_insert=3"], environ={})
     assert fixed.samples_per_insert == 3.0
+
+
+# -- issue 19: strict types and bounds ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"learner": {"lr": float("inf")}}, "learner.lr: Input should be a finite number"),
+        ({"algo": {"beta": float("inf")}}, "algo.beta: Input should be a finite number"),
+        ({"learner": {"grad_clip": float("inf")}}, "learner.grad_clip: Input should be a finite"),
+        ({"algo": {"tis_cap": float("nan")}}, "algo.tis_cap: Input should be a finite number"),
+        ({"buffer": {"capacity": 1e12}}, "buffer.capacity: Input should be less than or equal"),
+        ({"learner": {"rounds": True}}, "learner.rounds: Value error, a boolean (True)"),
+        ({"sync": {"broadcast_port": False}}, "sync.broadcast_port: Value error, a boolean"),
+        ({"learner": {"adam_betas": [2, -1]}}, "learner.adam_betas.0: Input should be less than 1"),
+        ({"learner": {"adam_betas": [0.9, -1]}}, "learner.adam_betas.1: Input should be greater"),
+    ],
+)
+def test_non_finite_out_of_bounds_and_boolean_numbers_are_refused(data, needle):
+    with pytest.raises(ConfigError) as err:
+        build_config(data)
+    assert needle in str(err.value)
+
+
+def test_the_same_through_overrides_and_the_environment():
+    with pytest.raises(ConfigError, match=r"learner\.lr: Input should be a finite number"):
+        load_config(overrides=["learner.lr=Infinity"], environ={})
+    with pytest.raises(ConfigError, match=r"learner\.rounds"):
+        load_config(environ={"REVAL__LEARNER__ROUNDS": "true"})
+    ok = build_config({"metrics": {"jsonl": False}, "buffer": {"max_staleness": None}})
+    assert ok.metrics.jsonl is False  # (a bool where a bool belongs)
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1", "two"])
+def test_nproc_must_be_a_positive_integer(nproc, capsys):
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["learner", "--nproc", nproc])
+    assert err.value.code == 2
+    assert "--nproc" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["/no/such/model", "./missing", "~/missing-model", "a/b/c"])
+def test_a_missing_local_model_path_is_named_not_a_hub_error(path):
+    from reval.policy import model_source
+
+    with pytest.raises(ValueError, match=r"model\.name_or_path: the local path .* does not exist"):
+        model_source(path)
+    assert model_source("Qwen/Qwen2.5-Math-7B") == "Qwen/Qwen2.5-Math-7B"  # a hub id

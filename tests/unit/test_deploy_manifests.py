@@ -56,7 +56,7 @@ def test_rayservice_builds_the_api():
     module, _, name = app["import_path"].partition(":")
     assert (module, name) == ("services.api_serve", "app_builder")
     fields = {k: v for k, v in app["args"].items() if k != "replicas"}
-    assert ApiConfig(**fields).redis_url.startswith("redis://reval-redis")
+    assert ApiConfig(**fields).redis_url == "redis://:${REDIS_PASSWORD}@reval-redis:6379/0"
 
 
 def test_compose_commands_parse():
@@ -92,3 +92,33 @@ def test_resume_if_any_resumes_only_a_run_with_a_checkpoint(tmp_path):
     assert not has_checkpoint(cfg)  # a directory, but nothing saved in it
     (cfg.run_dir / "checkpoints" / "latest").write_text("step-00000050")
     assert has_checkpoint(cfg)
+
+
+def test_the_rayservice_takes_the_redis_password_from_its_environment(monkeypatch):
+    import services.api_serve as api_serve
+
+    monkeypatch.setattr(api_serve, "ray_app", lambda cfg, replicas: (cfg, replicas))
+    monkeypatch.setenv("REDIS_PASSWORD", "from-the-secret")
+    svc = next(d for d in docs(ROOT / "deploy" / "k8s" / "rayservice-api.yaml"))
+    args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
+    cfg, replicas = api_serve.app_builder(args)
+    assert cfg.redis_url == "redis://:from-the-secret@reval-redis:6379/0" and replicas == 2
+
+
+def test_every_k8s_redis_client_has_the_password():
+    redis_doc = [
+        d for d in docs(ROOT / "deploy" / "k8s" / "redis.yaml") if d["kind"] == "StatefulSet"
+    ]
+    container = redis_doc[0]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    names = {e["name"] for e in container["env"]}
+    assert {"REDIS_PASSWORD", "REDISCLI_AUTH"} <= names
+    config = next(
+        d for d in docs(ROOT / "deploy" / "k8s" / "redis.yaml") if d["kind"] == "ConfigMap"
+    )
+    assert "protected-mode yes" in config["data"]["redis.conf"]
+    job = next(d for d in docs(ROOT / "deploy" / "k8s" / "rayjob.yaml") if d["kind"] == "RayJob")
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    assert env["REVAL__BUFFER__REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@reval-redis:6379/0"
+    assert "redis_url" not in job["spec"]["entrypoint"]  # (a --set would win over the env)

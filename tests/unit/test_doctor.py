@@ -126,16 +126,19 @@ def test_vllm_version_uses_the_engines_gate(version, status, says):
 
 
 def test_disk_for_checkpoints(tmp_path):
-    # Hub ids: sized from their names (12 bytes a parameter, two checkpoints).
+    # Hub ids: sized from their names (two checkpoints of 14 bytes a parameter in bf16: fp32
+    # masters and AdamW moments, the bf16 reference; 16 in fp32).
     r1 = gpu_cfg()
-    assert doctor.checkpoint_bytes(r1) == int(1.5e9) * 12
+    assert r1.model.dtype == "bfloat16"
+    assert doctor.checkpoint_bytes(r1) == int(1.5e9) * 14
+    assert doctor.checkpoint_bytes(gpu_cfg("model.dtype=float32")) == int(1.5e9) * 16
     check = doctor.check_disk(r1, node(disk_free_bytes=20 * GIB))
     assert check.status == "fail" and "output_dir" in check.message
     assert doctor.check_disk(r1, node(disk_free_bytes=40 * GIB)).status == "ok"
     # A local checkpoint: sized from its weight files (bf16: 2 bytes a parameter).
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
     local = gpu_cfg(f"model.name_or_path={tmp_path}")
-    assert doctor.checkpoint_bytes(local) == 500 * 12
+    assert doctor.checkpoint_bytes(local) == 500 * 14
 
 
 def test_cli_passes_against_the_test_redis(redis_url, capsys):
