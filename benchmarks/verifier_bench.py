@@ -22,10 +22,10 @@ Run it from the repository root on an otherwise idle machine (about a minute):
     .venv/bin/python benchmarks/verifier_bench.py --prompts 64 --n 8 --gen-seconds 30 120
 
 It prints markdown tables to stdout. Each timed pass follows a warm-up pass over another round
-of the same shape (workers started, math-verify's parser warmed, torch imported in this process
-for ``normalize_answer``). Order matters a little: math-verify keeps small LRU caches (20 parsed
-strings) and each worker caches parsed gold answers, so a prompt's answers graded together (as a
-rollout worker does) cost less than the same answers interleaved with other prompts'.
+of the same shape (workers started, math-verify's parser warmed). Order matters a little:
+math-verify keeps small LRU caches (20 parsed strings) and each worker caches parsed gold
+answers, so a prompt's answers graded together (as a rollout worker does) cost less than the same
+answers interleaved with other prompts'.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def main() -> None:
     items = make_round(0, args.prompts, args.n)
     total = len(items)
     grader = MathVerify()
-    pre = [grader.precheck(g, r) for g, r in items]  # also imports torch for normalize_answer
+    pre = [grader.precheck(g, r) for g, r in items]
     fast = sum(p.score is not None for p in pre)
     print(
         f"# verifier benchmark: {total} answers ({args.prompts} prompts x {args.n}), "

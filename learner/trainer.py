@@ -95,6 +95,11 @@ class Learner:
         if weights is not None and self.algo.name == "grpo":
             raise ValueError("importance weights apply to the value losses, not grpo")
         w_all = None if weights is None else torch.as_tensor(list(weights), dtype=torch.float32)
+        keep = None
+        if self.algo.mask_truncated:  # responses cut at max_new_tokens leave the loss
+            keep = torch.tensor([t.finish_reason != "length" for t in trajectories]).float()
+            if self.algo.name != "grpo":
+                w_all = keep if w_all is None else w_all * keep
         if self.uses_reference:
             self.reference.fill(trajectories, self.device)
         self.optimizer.zero_grad(set_to_none=True)
@@ -111,6 +116,8 @@ class Learner:
         if self.algo.name == "grpo":
             raw = torch.tensor([t.reward_raw for t in trajectories])
             advantages = grpo_advantages(raw, [t.group_id for t in trajectories])
+            if keep is not None:
+                advantages = advantages * keep
             denom = float(sum(float(b.mask.sum()) for b in batches))  # token mean over all B
             if self.reduce is not None:
                 denom = self.reduce(denom, "sum") / self.reduce(1.0, "sum")

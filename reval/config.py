@@ -301,6 +301,11 @@ class AlgoConfig(_Section):
     reward: Literal["binary", "group_mean", "plus_minus"] = "binary"
     """Reward transform at collection time: 0/1, ``r - mean`` over the N answers of a prompt, or
     ``2r - 1``."""
+    mask_truncated: bool = False
+    """A response cut at ``rollout.max_new_tokens`` (finish reason ``length``) is terminal and
+    keeps the verifier's reward, as in the paper (false); true leaves such responses out of the
+    loss (their term weighted 0; GRPO: advantage 0). Either way the reward and the finish reason
+    are recorded with the trajectory."""
     clip_low: float = Field(0.2, ge=0)
     """GRPO: lower ratio clip (1 - clip_low)."""
     clip_high: float = Field(0.28, ge=0)
@@ -403,6 +408,9 @@ class EvalConfig(_Section):
     max_problems: int = Field(100, ge=1)
     """``reval eval``: each benchmark capped at this many problems by a seeded subsample (the
     paper: 100)."""
+    dataset: str | None = None
+    """``reval train`` with ``task.kind=math``: held-out problems (a DeepScaleR-format file, read
+    like ``task.dataset``) that the periodic evaluation samples instead of the training prompts."""
 
 
 class RunConfig(_Section):

@@ -3,6 +3,9 @@
 Real checkpoints (a local directory or a hub id) load through the ordinary ``from_pretrained``
 path. With no checkpoint, a tiny random-initialized Qwen2-style model is built from the config,
 with a character-level tokenizer that the project builds itself (no download anywhere).
+``build_bpe_tokenizer`` makes the tokenizer of a real-shaped local checkpoint (``reval
+make-model``): byte-level BPE with Qwen2's pre-tokenizer, Qwen's special tokens and a Qwen2.5-style
+chat template, saved as a ``Qwen2Tokenizer`` that ``AutoTokenizer`` loads like a hub one.
 """
 
 from __future__ import annotations
@@ -14,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -24,6 +36,7 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from reval.config import ModelConfig, TinyModelConfig
 
@@ -45,6 +58,78 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
     fast.padding_side = "left"
     return fast
+
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+QWEN_SPECIALS = (ENDOFTEXT, IM_START, IM_END)
+"""Qwen's special tokens, in Qwen's order after the learned vocabulary. As in Qwen2.5-Instruct,
+``<|im_end|>`` is the EOS and ``<|endoftext|>`` the pad token (distinct)."""
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+QWEN_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen2.5-Instruct's chat template without tool calls: a default system message, each turn
+``<|im_start|>role\\n...<|im_end|>\\n``, the generation prompt ``<|im_start|>assistant\\n``."""
+
+
+def build_bpe_tokenizer(
+    texts: list[str], out: str | Path, vocab_size: int = 1024
+) -> PreTrainedTokenizerBase:
+    """Train a byte-level BPE tokenizer on ``texts``, write it to ``out`` as a hub checkpoint's
+    tokenizer (``tokenizer.json`` + a ``tokenizer_config.json`` naming ``Qwen2Tokenizer``, as
+    Qwen2.5's does) and load it back through ``AutoTokenizer``. The normalizer, pre-tokenizer and
+    decoder are Qwen2's (the ones ``Qwen2Tokenizer`` builds), so the copy loads as written on
+    transformers 4 (``Qwen2TokenizerFast`` from the file) and 5. Every byte is a token (any text
+    round-trips); Qwen's special tokens follow the learned vocabulary (at most ``vocab_size``
+    tokens in all)."""
+    bpe = Tokenizer(
+        models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
+                   fuse_unk=False, byte_fallback=False)
+    )  # fmt: skip
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(QWEN_SPECIALS),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    bpe.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "bos_token": None,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END],
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "split_special_tokens": False,
+        "model_max_length": 32768,
+        "chat_template": QWEN_CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return _load_tokenizer(str(out))
 
 
 def build_tiny_model(

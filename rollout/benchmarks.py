@@ -13,6 +13,7 @@ nothing is downloaded in tests). Expected fields, first one present wins:
 | minerva | math-ai/minervamath (test) | question, problem | answer |
 | olympiad | math-ai/olympiadbench (test) | question, problem | final_answer, answer (1) |
 | gpqa | Idavidrein/gpqa, gpqa_diamond (train) | Question, question | Correct Answer, correct (2) |
+| wordmath | none: ``reval make-data`` writes it (``rollout/word_problems.py``) | problem | answer |
 
 (1) a list: its first item. (2) with the three wrong options as ``Incorrect Answer 1``-``3``, or
 ``incorrect`` (a list of three).
@@ -25,6 +26,7 @@ templates (``math_task.format_prompt``).
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from typing import Any
 from rollout.math_task import format_prompt, read_rows
 
 CHOICES = "ABCD"
+log = logging.getLogger("reval.benchmarks")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             problem_fields=("question", "problem"),
             answer_fields=("final_answer", "answer"),
         ),
+        # Generated locally (``reval make-data``, ``rollout/word_problems.py``): no hub copy.
+        BenchmarkSpec("wordmath", "Word", "", "test"),
         BenchmarkSpec(
             "gpqa",
             "GPQA",
@@ -103,6 +108,8 @@ class Benchmark:
     total: int = 0
     """Usable rows before the cap."""
     prompts: list[str] = field(default_factory=list)
+    too_long: int = 0
+    """Problems whose prompt is over ``max_prompt_tokens``: skipped, never truncated."""
 
 
 def _first(row: Mapping[str, Any], names: Sequence[str]) -> Any:
@@ -169,6 +176,10 @@ def source_of(spec: BenchmarkSpec, data_dir: str | Path | None) -> str:
             if path.is_file():
                 return str(path)
         raise FileNotFoundError(f"{spec.name}: no {spec.name}.jsonl/.json/.parquet in {data_dir}")
+    if not spec.hub:
+        raise FileNotFoundError(
+            f"{spec.name} is generated locally (reval make-data OUT): pass --data OUT/benchmarks"
+        )
     return spec.hub
 
 
@@ -179,8 +190,11 @@ def load_benchmark(
     seed: int = 0,
     template: str = "plain",
     tokenizer: Any | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> Benchmark:
-    """A benchmark's problems (a seeded subsample of ``max_problems``) and their prompts."""
+    """A benchmark's problems (a seeded subsample of ``max_problems``) and their prompts.
+    With ``tokenizer`` and ``max_prompt_tokens``, problems whose templated prompt is longer are
+    skipped (counted in ``too_long`` and logged), never truncated."""
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r} (one of {', '.join(BENCHMARKS)})")
     spec = BENCHMARKS[name]
@@ -194,9 +208,21 @@ def load_benchmark(
     else:
         rows = read_rows(src, spec.split)
     problems, skipped = parse_rows(spec, rows, seed)
+    too_long = 0
+    if tokenizer is not None and max_prompt_tokens is not None:
+        fits = [
+            len(tokenizer(format_prompt(p.text, template, tokenizer), add_special_tokens=False)
+                .input_ids) <= max_prompt_tokens
+            for p in problems
+        ]  # fmt: skip
+        too_long = fits.count(False)
+        problems = [p for p, ok in zip(problems, fits, strict=True) if ok]
+        if too_long:
+            log.warning("%s: %d problems longer than %d prompt tokens skipped, not truncated",
+                        name, too_long, max_prompt_tokens)  # fmt: skip
     total = len(problems)
     if total > max_problems:
         keep = sorted(random.Random(f"{seed}/{name}/subsample").sample(range(total), max_problems))
         problems = [problems[i] for i in keep]
     prompts = [format_prompt(p.text, template, tokenizer) for p in problems]
-    return Benchmark(spec, problems, skipped, total, prompts)
+    return Benchmark(spec, problems, skipped, total, prompts, too_long)

@@ -2,8 +2,9 @@
 paper's prompt templates, graded on the last ``\\boxed{}`` of the answer.
 
 The loader is the real one: a local JSONL or parquet file, or a dataset name through the
-``datasets`` library. The verifier here compares normalized boxed strings; the process-pool
-math-verify grader of the rollout issue implements the same ``Verifier`` protocol.
+``datasets`` library. Answers are graded by math-verify in a process pool
+(``rollout/verify.py``: ``PooledVerifier``), the same grader as the rollout workers' and
+``reval eval``'s.
 """
 
 from __future__ import annotations
@@ -16,75 +17,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reval.config import TaskConfig
+from prometheus_client import CollectorRegistry, Counter
+
+from reval.config import RolloutConfig, TaskConfig
 from rollout.task_types import Prompt, Verifier
+from rollout.verify import MathVerify, PooledVerifier
 
 log = logging.getLogger("reval.math")
 
+SKIP_REASONS = ("missing_field", "empty_problem", "too_long")
+
+
+class TaskMetrics:
+    """What loading a math dataset skipped, on the process's registry (``reval train`` and the
+    rollout workers)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.skipped = Counter(
+            "reval_task_prompts_skipped",
+            "Dataset rows skipped at load (too_long: over task.max_prompt_tokens, not truncated)",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in SKIP_REASONS:
+            self.skipped.labels(reason)
+
+
 USER_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (brace-matched), or None."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
-
-
-_SPACES = re.compile(r"\s+")
-
-
-def normalize_answer(ans: str) -> str:
-    s = _SPACES.sub("", ans)
-    for a, b in (
-        ("\\dfrac", "\\frac"),
-        ("\\tfrac", "\\frac"),
-        ("\\left", ""),
-        ("\\right", ""),
-        ("^{\\circ}", ""),
-        ("^\\circ", ""),
-        ("\\$", ""),
-        ("$", ""),
-        ("\\!", ""),
-    ):
-        s = s.replace(a, b)
-    s = s.rstrip(".")
-    if re.fullmatch(r"-?\d+\.0+", s):
-        s = s.split(".")[0]
-    return s
-
-
-@dataclass
-class BoxedMatch:
-    """Reward 1 when the last boxed answer equals the gold one after normalization. With
-    ``require_think`` (thinking models, DeepScaleR's rule) a response without ``</think>`` scores 0
-    and only the text after the first ``</think>`` is graded."""
-
-    require_think: bool = False
-
-    def score(self, prompt: Prompt, response: str) -> float:
-        if self.require_think:
-            _head, sep, tail = response.partition("</think>")
-            if not sep:
-                return 0.0
-            response = tail
-        pred = last_boxed(response)
-        if pred is None:
-            return 0.0
-        return 1.0 if normalize_answer(pred) == normalize_answer(prompt.answer) else 0.0
 
 
 def read_rows(source: str, split: str = "train") -> Iterable[Mapping[str, Any]]:
@@ -149,9 +110,12 @@ class MathTask:
         tokenizer: Any | None = None,
         max_prompt_chars: int | None = None,
         max_prompt_tokens: int | None = None,
+        verifier: Verifier | None = None,
     ) -> MathTask:
         """Bad rows (missing fields, empty problem, over-long prompt) are skipped and counted.
-        ``max_prompt_tokens`` counts the templated prompt's tokens with ``tokenizer``."""
+        ``max_prompt_tokens`` counts the templated prompt's tokens with ``tokenizer``. The
+        verifier: ``verifier``, else math-verify in a pool of 2 processes (``PooledVerifier``),
+        with DeepScaleR's ``</think>`` rule for the ``r1_distill`` template."""
         prompts: list[Prompt] = []
         skipped: dict[str, int] = {}
         for i, row in enumerate(rows):
@@ -175,26 +139,65 @@ class MathTask:
                 skipped[reason] = skipped.get(reason, 0) + 1
         if not prompts:
             raise ValueError(f"no usable rows (skipped: {skipped})")
+        if skipped.get("too_long"):
+            log.warning("%d prompts longer than %s tokens (%s chars) skipped, not truncated",
+                        skipped["too_long"], max_prompt_tokens, max_prompt_chars)  # fmt: skip
         if skipped:
             log.warning("skipped rows: %s", skipped)
-        return cls(prompts=prompts, verifier=BoxedMatch(template == "r1_distill"), skipped=skipped)
+        if verifier is None:
+            verifier = PooledVerifier(MathVerify(require_think=template == "r1_distill"))
+        return cls(prompts=prompts, verifier=verifier, skipped=skipped)
 
     @classmethod
-    def from_config(cls, cfg: TaskConfig, tokenizer: Any | None = None) -> MathTask:
+    def from_config(
+        cls,
+        cfg: TaskConfig,
+        tokenizer: Any | None = None,
+        rollout: RolloutConfig | None = None,
+        registry: Any | None = None,
+    ) -> MathTask:
+        """The configured dataset, graded by math-verify in a pool of
+        ``rollout.verifier_workers`` processes; the grading and skipped-row metrics on
+        ``registry``."""
         if not cfg.dataset:
             raise ValueError("task.kind=math needs task.dataset (a file or a dataset name)")
         # Without a tokenizer, characters bound tokens from above (a token is at most ~8 chars
         # for the tokenizers in use); with one, the templated prompt's tokens are counted.
-        return cls.from_rows(
+        task = cls.from_rows(
             read_rows(cfg.dataset, cfg.split),
             cfg.template,
             tokenizer,
             cfg.max_prompt_tokens * 8 if tokenizer is None else None,
             cfg.max_prompt_tokens if tokenizer is not None else None,
+            PooledVerifier(
+                MathVerify(require_think=cfg.template == "r1_distill"),
+                workers=rollout.verifier_workers if rollout else 2,
+                timeout=rollout.verifier_timeout_s if rollout else 5.0,
+                registry=registry,
+            ),
         )
+        counter = TaskMetrics(registry).skipped
+        for reason, n in task.skipped.items():
+            counter.labels(reason).inc(n)
+        return task
 
     def pretrain_texts(self, rng: Any, count: int) -> list[str]:
+        """Each prompt followed by the boxed answer of another prompt whose answer has the same
+        shape (``answer_shape``): the answer format, not the answers (RL starts near chance, as
+        the built-in tasks' pretraining does)."""
+        by_shape: dict[str, list[str]] = {}
+        for p in self.prompts:
+            by_shape.setdefault(answer_shape(p.answer), []).append(p.answer)
         return [
-            f"{p.text} \\boxed{{{p.answer}}}"
+            f"{p.text} \\boxed{{{rng.choice(by_shape[answer_shape(p.answer)])}}}"
             for p in rng.sample(self.prompts, min(count, len(self.prompts)))
         ]
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def answer_shape(answer: str) -> str:
+    """An answer with every run of digits read as one digit: ``\\frac{3}{4}`` and
+    ``\\frac{1}{12}`` share a shape, ``-4`` and ``x+4`` do not."""
+    return _DIGITS.sub("0", answer)

@@ -5,9 +5,9 @@
   against the initial policy so that it succeeds with a set probability (the paper's one-shot
   hard/medium/easy problems have base success of about 0.10 / 0.40 / 0.68).
 
-A verifier maps (prompt, response text) to a reward in [0, 1]. The math verifier for real data
-implements the same protocol. ``Prompt``, ``Verifier`` and ``Task`` live in
-``rollout/task_types.py`` (re-exported here).
+A verifier maps (prompt, response text) to a reward in [0, 1]. The math task's (math-verify in a
+process pool, ``rollout/verify.py``) implements the same protocol. ``Prompt``, ``Verifier`` and
+``Task`` live in ``rollout/task_types.py`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reval.config import TaskConfig
+from reval.config import RolloutConfig, TaskConfig
 from reval.policy import Policy
 from rollout.task_types import Prompt, Task, Verifier
 
@@ -149,8 +149,15 @@ def apply_task_setup(task: Task, setup: dict[str, object]) -> None:
     task.achieved_base_success = float(base) if isinstance(base, int | float) else None
 
 
-def build_task(cfg: TaskConfig, seed: int = 0, tokenizer: object | None = None) -> Task:
-    """The task the config names."""
+def build_task(
+    cfg: TaskConfig,
+    seed: int = 0,
+    tokenizer: object | None = None,
+    rollout: RolloutConfig | None = None,
+    registry: object | None = None,
+) -> Task:
+    """The task the config names. A math task grades in a process pool sized by ``rollout``
+    (``verifier_workers``, ``verifier_timeout_s``), with its metrics on ``registry``."""
     if cfg.kind == "addition":
         return AdditionTask(max_operand=cfg.max_operand)
     if cfg.kind == "oneshot":
@@ -158,5 +165,5 @@ def build_task(cfg: TaskConfig, seed: int = 0, tokenizer: object | None = None) 
     if cfg.kind == "math":
         from rollout.math_task import MathTask
 
-        return MathTask.from_config(cfg, tokenizer)
+        return MathTask.from_config(cfg, tokenizer, rollout, registry)
     raise ValueError(f"unknown task kind {cfg.kind!r}")

@@ -1,11 +1,13 @@
 """Math answers graded for equivalence with math-verify, in a pool of worker processes.
 
 ``MathVerify`` is the grading function: the last ``\\boxed{...}`` of a response against the gold
-answer. Cheap decisions come first and need no sympy (no box: 0; require_think without
-``</think>``: 0; the normalized strings equal, ``math_task.normalize_answer``: 1; multiple choice:
-letters compared); the rest goes through math-verify's ``parse`` and ``verify`` (gold and answer
-both read as ``\\boxed{...}`` LaTeX; math-verify's defaults: numbers rounded to 6 places, strict
-variables, ``x = 3`` read as ``3`` against a gold ``3``).
+answer. It is the one grader of math answers: ``reval train``, the rollout workers and
+``reval eval`` all grade through ``PooledVerifier``/``VerifierPool``. Cheap decisions come first
+and need no sympy (no box: 0; require_think without ``</think>``: 0; the normalized strings
+equal, ``normalize_answer``: 1; multiple choice: letters compared); the rest goes through
+math-verify's ``parse`` and ``verify`` (gold and answer both read as ``\\boxed{...}`` LaTeX;
+math-verify's defaults: numbers rounded to 6 places, strict variables, ``x = 3`` read as ``3``
+against a gold ``3``).
 
 math-verify bounds its own work with ``signal.alarm``: it only works on a process's main thread
 (elsewhere ``parse``/``verify`` raise ``ValueError``) and its ``TimeoutException`` is a
@@ -17,8 +19,7 @@ seconds, and cannot stop C code that does not return to the interpreter). Such a
 and counts as an error; a caller never waits on a stuck worker. Any thread may call
 ``score``/``score_many``; answers are graded in arrival order.
 
-Workers import this module only (math-verify and sympy, about 0.5 s), not torch: this module
-imports ``rollout.math_task`` lazily, in the parent, for ``normalize_answer``. ``spawn`` also
+Workers import this module only (math-verify and sympy, about 0.5 s), not torch. ``spawn`` also
 imports the parent's ``__main__`` module in each worker (as multiprocessing always does), so a
 script that builds a pool keeps its work under ``if __name__ == "__main__":``.
 
@@ -48,7 +49,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
@@ -58,7 +59,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from rollout.tasks import Prompt
+    from rollout.task_types import Prompt
 
 log = logging.getLogger("reval.verify")
 
@@ -125,12 +126,30 @@ def choice_letter(answer: str, choices: str = "ABCD") -> str | None:
     return letter if letter in choices.upper() else None
 
 
-@functools.cache
-def _normalize() -> Callable[[str], str]:
-    # rollout.math_task imports torch (through rollout.tasks): only the parent calls this.
-    from rollout.math_task import normalize_answer
+_SPACES = re.compile(r"\s+")
 
-    return normalize_answer
+
+def normalize_answer(ans: str) -> str:
+    """A boxed answer as a plain string for the fast path: spaces, ``\\left``/``\\right``,
+    degree signs, dollars and a final dot dropped, ``\\dfrac``/``\\tfrac`` read as ``\\frac``,
+    ``10.0`` read as ``10``."""
+    s = _SPACES.sub("", ans)
+    for a, b in (
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+        ("\\left", ""),
+        ("\\right", ""),
+        ("^{\\circ}", ""),
+        ("^\\circ", ""),
+        ("\\$", ""),
+        ("$", ""),
+        ("\\!", ""),
+    ):
+        s = s.replace(a, b)
+    s = s.rstrip(".")
+    if re.fullmatch(r"-?\d+\.0+", s):
+        s = s.split(".")[0]
+    return s
 
 
 class Precheck(NamedTuple):
@@ -178,8 +197,12 @@ def _parse_gold(gold: str, parsing_timeout: int) -> tuple[Any, ...]:
 class MathVerify:
     """Grades the last boxed answer of a response against a gold answer (1.0 or 0.0).
 
-    ``require_think``: DeepScaleR's rule for thinking models, a response without ``</think>``
-    scores 0 and only the text after the first ``</think>`` is graded. ``multiple_choice``: the
+    ``require_think``: DeepScaleR's rule for thinking models (``deepscaler/rewards/
+    math_reward.py``, ``RewardMathFn.__call__``): the decoded prompt + response must hold
+    ``<think>`` and ``</think>`` (else 0), and only ``text.split("</think>")[1]`` is graded, the
+    text between the first ``</think>`` and the next one, if any. The ``r1_distill`` template
+    ends the prompt with ``<think>`` (``math_task.format_prompt``), so the response needs
+    ``</think>``. ``multiple_choice``: the
     boxed answer is an option letter of ``choices`` (``B``, ``(B)``, ``B)``, ``\\text{B}``),
     compared with the gold letter case-insensitively; sympy is not used. ``parsing_timeout`` and
     ``verify_timeout`` are math-verify's own alarms (whole seconds; per parse, per comparison).
@@ -197,12 +220,13 @@ class MathVerify:
     max_answer_chars: int = 2000
 
     def extract(self, response: str) -> str | None:
-        """The answer to grade: the last boxed content (after ``</think>`` with require_think)."""
+        """The answer to grade: the last boxed content (with require_think, of the text between
+        the first ``</think>`` and the next one, as DeepScaleR grades)."""
         if self.require_think:
-            _head, sep, tail = response.partition("</think>")
-            if not sep:
+            parts = response.split("</think>")
+            if len(parts) < 2:
                 return None
-            response = tail
+            response = parts[1]
         return last_boxed_answer(response)
 
     def precheck(self, gold: str, response: str) -> Precheck:
@@ -220,8 +244,7 @@ class MathVerify:
             return Precheck(1.0 if choice_letter(pred, self.choices) == g else 0.0)
         if pred is None or not pred.strip():
             return Precheck(0.0)
-        norm = _normalize()
-        if norm(pred) == norm(clean_gold(gold)):
+        if normalize_answer(pred) == normalize_answer(clean_gold(gold)):
             return Precheck(1.0)
         if len(pred) > self.max_answer_chars:
             return Precheck(0.0, reason="too_long")
@@ -745,3 +768,53 @@ class VerifierPool:
             w.proc.kill()
             w.proc.join(timeout=1.0)
         w.conn.close()
+
+
+class PooledVerifier:
+    """The ``Verifier`` of math tasks: ``grader`` in a ``VerifierPool`` of ``workers`` processes,
+    started on the first answer graded (a task that is built and never graded starts none), a
+    batch of (prompt, response) pairs per ``score_many``. ``reval train``, the rollout workers and
+    ``reval eval`` grade through it, so an answer earns the same reward in every loop."""
+
+    def __init__(
+        self,
+        grader: MathVerify,
+        workers: int = 2,
+        timeout: float = 5.0,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.grader = grader
+        self.workers = workers
+        self.timeout = timeout
+        self.registry = registry
+        self._pool: VerifierPool | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def require_think(self) -> bool:
+        return self.grader.require_think
+
+    @property
+    def pool(self) -> VerifierPool:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("verifier pool is closed")
+            if self._pool is None:
+                self._pool = VerifierPool(
+                    self.grader, workers=self.workers, timeout=self.timeout, registry=self.registry
+                )
+            return self._pool
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        return self.score_many([(prompt, response)])[0]
+
+    def score_many(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
+        return [float(x) for x in self.pool.score_many([(p.answer, r) for p, r in pairs])]
+
+    def close(self) -> None:
+        """Stop the pool's processes (idempotent); a later answer raises RuntimeError."""
+        with self._lock:
+            pool, self._pool, self._closed = self._pool, None, True
+        if pool is not None:
+            pool.close()

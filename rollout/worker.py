@@ -41,7 +41,7 @@ from reval.weight_sync import build_subscriber
 from rollout.collect import collect_round
 from rollout.dealer import PromptDealer
 from rollout.engines import GenerationEngine, HFEngine, SamplingParams
-from rollout.tasks import Prompt, Task, build_task
+from rollout.tasks import Task, build_task
 
 log = logging.getLogger("reval.rollout")
 
@@ -184,19 +184,9 @@ class RolloutWorker:
         self.stop = threading.Event()
         self.stats = WorkerStats()
         self.engine, self.tokenizer = build_engine(cfg, cfg.seed, self.worker_id)
-        self.task: Task = build_task(cfg.task, cfg.seed, self.tokenizer)
-        self.verifier_pool: Any = None
-        if cfg.task.kind == "math":
-            from rollout.verify import MathVerify, VerifierPool
-
-            require_think = bool(getattr(self.task.verifier, "require_think", False))
-            self.verifier_pool = VerifierPool(
-                MathVerify(require_think=require_think),
-                workers=cfg.rollout.verifier_workers,
-                timeout=cfg.rollout.verifier_timeout_s,
-                registry=self.metrics.registry,
-            )
-            self.task.verifier = PooledVerifier(self.verifier_pool)  # type: ignore[misc]
+        self.task: Task = build_task(
+            cfg.task, cfg.seed, self.tokenizer, cfg.rollout, self.metrics.registry
+        )
         self.ring = RedisRing(
             cfg.name,
             b.capacity,
@@ -449,25 +439,12 @@ class RolloutWorker:
             log.error("worker %s: %d trajectories could not be pushed", self.worker_id, n)
         self._deregister()
         self.weights.close()
-        if self.verifier_pool is not None:
-            self.verifier_pool.close()
+        close_verifier = getattr(self.task.verifier, "close", None)
+        if close_verifier is not None:  # the math task's grading pool
+            close_verifier()
         close = getattr(self.engine, "close", None)
         if close is not None:  # the vLLM engine's processes (left running, they hold its pipes)
             close()
-
-
-class PooledVerifier:
-    """The ``Verifier`` of math tasks in a worker: math-verify in the process pool, a batch of
-    (prompt, response) pairs per call."""
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-
-    def score(self, prompt: Prompt, response: str) -> float:
-        return float(self.pool.score_many([(prompt.answer, response)])[0])
-
-    def score_many(self, pairs: list[tuple[Prompt, str]]) -> list[float]:
-        return [float(x) for x in self.pool.score_many([(p.answer, r) for p, r in pairs])]
 
 
 def main(cfg: RunConfig, worker_id: str | None, max_batches: int | None, port: int | None) -> int:

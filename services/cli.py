@@ -150,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     from services.ablations import add_parser as add_ablate
 
     add_ablate(sub)
+    from services.make_model import add_parser as add_make
+
+    add_make(sub)
     from services.compose import add_parser as add_compose
 
     add_compose(sub)
@@ -313,6 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.ablations import main as ablate_main
 
         return ablate_main(args)
+    if args.command in ("make-data", "make-model"):
+        from services.make_model import main as make_main
+
+        return make_main(args)
     if args.command == "compose":
         from services.compose import main as compose_main
 

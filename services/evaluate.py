@@ -35,6 +35,8 @@ class BenchmarkResult:
     k: int
     problems: int
     skipped_rows: int
+    skipped_too_long: int
+    """Problems over ``task.max_prompt_tokens``: skipped, never truncated."""
     per_problem: list[float]
     seconds: float
 
@@ -74,6 +76,7 @@ def evaluate_benchmark(
         k=params.n,
         problems=len(scores),
         skipped_rows=bench.skipped,
+        skipped_too_long=bench.too_long,
         per_problem=scores,
         seconds=time.perf_counter() - t0,
     )
@@ -103,7 +106,15 @@ def _prepare(
     params = SamplingParams(n=e.samples_per_prompt, temperature=e.temperature, top_p=e.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens)  # fmt: skip
     loaded = [
-        load_benchmark(b, data_dir, e.max_problems, cfg.seed, cfg.task.template, tokenizer)
+        load_benchmark(
+            b,
+            data_dir,
+            e.max_problems,
+            cfg.seed,
+            cfg.task.template,
+            tokenizer,
+            cfg.task.max_prompt_tokens,
+        )
         for b in benchmarks
     ]
     return engine, tokenizer, params, loaded

@@ -28,6 +28,7 @@ def registries() -> dict[str, CollectorRegistry]:
     from learner.service import LearnerMetrics
     from learner.step import UpdateMetrics
     from reval.metrics import TrainMetrics
+    from rollout.math_task import TaskMetrics
     from rollout.verify import VerifierMetrics
     from rollout.worker import RolloutMetrics
 
@@ -36,8 +37,11 @@ def registries() -> dict[str, CollectorRegistry]:
     rollout = RolloutMetrics()
     BufferMetrics(rollout.registry)
     VerifierMetrics(rollout.registry)
+    TaskMetrics(rollout.registry)
     train = TrainMetrics()
     BufferMetrics(train.registry)
+    VerifierMetrics(train.registry)  # (a math task's grading pool)
+    TaskMetrics(train.registry)
     UpdateMetrics(train.registry)  # (the update step's, as in the learner)
     from services.evaluate import EvalMetrics
     from services.launch import LaunchMetrics

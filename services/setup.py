@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from reval.config import RunConfig
 from reval.policy import Policy, load_policy
@@ -26,11 +27,14 @@ from rollout.tasks import OneShotTask, Task, build_task, code_probabilities, tas
 log = logging.getLogger("reval.setup")
 
 
-def build_policy_and_task(cfg: RunConfig) -> tuple[Policy, Task, dict[str, float]]:
-    """Load the policy, build the task, pretrain (tiny model) and calibrate (one-shot task)."""
+def build_policy_and_task(
+    cfg: RunConfig, registry: CollectorRegistry | None = None
+) -> tuple[Policy, Task, dict[str, float]]:
+    """Load the policy, build the task, pretrain (tiny model) and calibrate (one-shot task).
+    The task's metrics (a math task's grading and skipped rows) go on ``registry``."""
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.model, seed=cfg.seed)
-    task = build_task(cfg.task, seed=cfg.seed, tokenizer=policy.tokenizer)
+    task = build_task(cfg.task, cfg.seed, policy.tokenizer, cfg.rollout, registry)
     info: dict[str, float] = {}
     if cfg.model.pretrain_steps and cfg.model.name_or_path is None:
         info["pretrain_loss"] = pretrain(

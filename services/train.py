@@ -47,8 +47,17 @@ class TrainResult:
     checkpoint: Path
 
 
-def _eval_prompts(task: Task, cfg: RunConfig) -> list[Prompt]:
+def _eval_prompts(task: Task, cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
+    """The prompts of the periodic evaluation: ``eval.dataset``'s held-out problems (templated
+    like the training prompts), else the task's own; at most ``eval.max_prompts``."""
     prompts = list(task.prompts)
+    if cfg.eval.dataset is not None:
+        if cfg.task.kind != "math":
+            raise ValueError("eval.dataset needs task.kind=math")
+        from rollout.math_task import MathTask
+
+        held = cfg.task.model_copy(update={"dataset": cfg.eval.dataset})
+        prompts = MathTask.from_config(held, tokenizer).prompts
     if len(prompts) > cfg.eval.max_prompts:
         prompts = random.Random(cfg.seed + 7).sample(prompts, cfg.eval.max_prompts)
     return prompts
@@ -62,7 +71,8 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
         (run_dir / stale).unlink(missing_ok=True)
     dump_config(cfg, run_dir / "config.json")
 
-    policy, task, info = build_policy_and_task(cfg)
+    metrics = TrainMetrics()
+    policy, task, info = build_policy_and_task(cfg, metrics.registry)
     engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device)
     learner = Learner(
         policy.model,
@@ -73,7 +83,6 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
         policy.device,
         compute_dtype=compute_dtype(cfg.model),
     )
-    metrics = TrainMetrics()
     # A fresh run: a Redis run of the same name starts empty.
     buffer = make_buffer(
         cfg.buffer, cfg.name, cfg.seed, BufferMetrics(metrics.registry), True,
@@ -86,7 +95,7 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
     writer = JsonlWriter(run_dir / "metrics.jsonl") if cfg.metrics.jsonl else None
     dealer = PromptDealer(None, "", cfg.name, list(task.prompts), seed=cfg.seed)
-    eval_prompts = _eval_prompts(task, cfg)
+    eval_prompts = _eval_prompts(task, cfg, policy.tokenizer)
     params = SamplingParams(
         n=cfg.rollout.n,
         temperature=cfg.rollout.temperature,
@@ -201,6 +210,9 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
             break
     if writer:
         writer.close()
+    close_verifier = getattr(task.verifier, "close", None)
+    if close_verifier is not None:  # the math task's grading pool
+        close_verifier()
     _checkpoint(run_dir, learner, step, history[-1]["round"])
     ckpt = export_hf(policy.model, policy.tokenizer, run_dir / "final")
     if cfg.metrics.plot:

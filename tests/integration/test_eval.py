@@ -61,7 +61,16 @@ def test_loading_fields_options_and_the_cap(tmp_path):
         load_benchmark("mmlu", d)
     with pytest.raises(FileNotFoundError, match="amc"):
         load_benchmark("amc", d)
-    assert set(BENCHMARKS) == {"aime24", "aime25", "amc", "math500", "minerva", "olympiad", "gpqa"}
+    assert set(BENCHMARKS) == {
+        "aime24",
+        "aime25",
+        "amc",
+        "math500",
+        "minerva",
+        "olympiad",
+        "gpqa",
+        "wordmath",
+    }
     problems, skipped = parse_rows(BENCHMARKS["math500"], [{"problem": "p", "answer": 7}, "junk"])
     assert [p.answer for p in problems] == ["7"] and skipped == 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -11,9 +12,9 @@ import torch
 from reval.config import ModelConfig, TaskConfig
 from reval.policy import load_policy
 from rollout.engines import HFEngine, SamplingParams, top_p_filter
-from rollout.math_task import BoxedMatch, MathTask, last_boxed
+from rollout.math_task import MathTask
 from rollout.pretrain import pretrain
-from rollout.tasks import AdditionTask, OneShotTask, Prompt, build_task
+from rollout.tasks import AdditionTask, OneShotTask, build_task
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def test_oneshot_calibrates_base_success(target):
     assert rate == pytest.approx(achieved, abs=0.04)
 
 
-def test_math_task_rows_templates_and_boxed_grading(tmp_path):
+def test_math_task_rows_templates_and_grading(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text(
         '{"problem": "What is 1+1?", "answer": "2"}\n'
@@ -139,16 +140,51 @@ def test_math_task_rows_templates_and_boxed_grading(tmp_path):
     assert task.skipped == {"missing_field": 2, "empty_problem": 1}
     assert task.prompts[0].text.endswith("within \\boxed{}.")
     half = task.prompts[1]
-    assert task.verifier.score(half, "<think>hmm</think> so \\boxed{\\dfrac{1}{2}}") == 1.0
-    assert task.verifier.score(half, "no think \\boxed{\\frac{1}{2}}") == 0.0  # DeepScaleR rule
-    plain = BoxedMatch()
-    q = Prompt("x", "q", "10")
-    assert plain.score(q, "\\boxed{3} then \\boxed{10.0}") == 1.0  # last box, 10.0 == 10
-    assert plain.score(q, "10") == 0.0  # no box
-    assert last_boxed("\\boxed{\\frac{a}{b}}") == "\\frac{a}{b}"
-    assert last_boxed("\\boxed{unclosed") is None
+    try:
+        assert task.verifier.score(half, "<think>hmm</think> so \\boxed{\\dfrac{1}{2}}") == 1.0
+        assert task.verifier.score(half, "hmm</think> so \\boxed{0.5}") == 1.0  # sympy
+        assert task.verifier.score(half, "no think \\boxed{\\frac{1}{2}}") == 0.0  # DeepScaleR
+    finally:
+        task.verifier.close()
     with pytest.raises(ValueError, match=r"needs task\.dataset"):
         build_task(TaskConfig(kind="math"))
+
+
+# (gold, response): the reward math-verify gives, which the boxed-string match of `reval train`
+# (before one grader) did not: the same answer earned 1 from the rollout workers and 0 in train.
+SAME_IN_EVERY_LOOP = [
+    ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
+    ("0.5", "\\boxed{\\frac{1}{2}}", 1.0),
+    ("-3", "\\boxed{-3.0}", 1.0),
+    ("\\frac{3}{4}", "\\boxed{\\frac{6}{8}}", 1.0),
+    ("2x+1", "\\boxed{1+2x}", 1.0),
+    ("7", "\\boxed{x = 7}", 1.0),
+    ("7", "\\boxed{8}", 0.0),
+]
+
+
+def test_train_and_worker_grade_alike(tmp_path):
+    """`reval train` (services/setup.py) and the rollout worker both take the task's verifier
+    from ``build_task``; ``reval eval`` grades with ``MathVerify`` in a ``VerifierPool``. The same
+    response earns the same reward from each."""
+    from rollout.verify import MathVerify, VerifierPool
+
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(
+        json.dumps({"problem": f"p{i}", "answer": gold}) + "\n"
+        for i, (gold, _, _) in enumerate(SAME_IN_EVERY_LOOP)
+    ))  # fmt: skip
+    task = build_task(TaskConfig(kind="math", dataset=str(path)))
+    pairs = [(p, r) for p, (_, r, _) in zip(task.prompts, SAME_IN_EVERY_LOOP, strict=True)]
+    expected = [want for _, _, want in SAME_IN_EVERY_LOOP]
+    try:
+        assert [task.verifier.score(p, r) for p, r in pairs] == expected
+    finally:
+        close = getattr(task.verifier, "close", None)
+        if close is not None:
+            close()
+    with VerifierPool(MathVerify(), workers=1) as pool:  # reval eval's
+        assert pool.score_many([(g, r) for g, r, _ in SAME_IN_EVERY_LOOP]) == expected
 
 
 def test_task_setup_round_trip_and_refusals():

@@ -196,8 +196,12 @@ def test_require_think() -> None:
     assert g.grade("2", "<think>so \\boxed{2}</think> The answer is \\boxed{2}.") == 1.0
     assert g.grade("2", "The answer is \\boxed{2}.") == 0.0  # no </think>
     assert g.grade("2", "<think>\\boxed{2}</think> no box after thinking") == 0.0
-    assert g.grade("2", "<think>\\boxed{3}</think> \\boxed{2} </think> \\boxed{5}") == 0.0
-    assert g.grade("2", "<think>\\boxed{3}</think> \\boxed{5} </think> \\boxed{2}") == 1.0
+    # DeepScaleR grades text.split("</think>")[1]: between the first </think> and the next one
+    # (deepscaler/rewards/math_reward.py, RewardMathFn.__call__); these two were graded on the
+    # text after the first </think> before, with the opposite rewards.
+    assert g.grade("2", "<think>\\boxed{3}</think> \\boxed{2} </think> \\boxed{5}") == 1.0
+    assert g.grade("2", "<think>\\boxed{3}</think> \\boxed{5} </think> \\boxed{2}") == 0.0
+    assert g.grade("2", "\\boxed{3}</think></think> \\boxed{2}") == 0.0  # empty segment
     assert MathVerify().grade("2", "The answer is \\boxed{2}.") == 1.0
 
 
