@@ -52,3 +52,28 @@ def plot_curve(history: Sequence[dict[str, Any]], path: str | Path, title: str =
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+def plot_peers(runs: Sequence[dict[str, Any]], threshold: float, path: str | Path) -> Path:
+    """benchmarks/peer_bench.py's figure: evaluated success against trajectories generated and
+    against training seconds (evaluations excluded), one colour per variant, one line per seed."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    variants = list(dict.fromkeys(r["variant"] for r in runs))
+    for i, variant in enumerate(variants):
+        for k, run in enumerate(r for r in runs if r["variant"] == variant):
+            ev = [p for p in run["curve"] if "eval_success" in p]
+            label = variant if k == 0 else None
+            ys = [p["eval_success"] for p in ev]
+            a1.plot([p["trajectories"] for p in ev], ys, color=f"C{i}", alpha=0.8, label=label)
+            a2.plot([p["train_s"] for p in ev], ys, color=f"C{i}", alpha=0.8, label=label)
+    for ax, xlabel in ((a1, "trajectories generated"), (a2, "training seconds (no evaluation)")):
+        ax.axhline(threshold, color="gray", ls="--", lw=0.8)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("success, all prompts (eval)")
+        ax.grid(alpha=0.3)
+    a1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
