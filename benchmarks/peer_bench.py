@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=150, help="generation rounds per run")
-    ap.add_argument("--threshold", type=float, default=0.3, help="success counted as reached")
+    ap.add_argument("--threshold", type=float, default=0.2, help="success counted as reached")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--pretrain-steps", type=int, help="default: configs/demo.toml's")
@@ -325,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "peers")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 1 seed, 2 rounds, 20 pretraining steps")  # fmt: skip
+    ap.add_argument("--from-results", action="store_true",
+                    help="no runs: tabulate the result files in --runs-dir")  # fmt: skip
     ap.add_argument("--one", nargs=3, metavar=("VARIANT", "SEED", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -344,7 +346,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     runs: list[RunResult] = []
     passed = sys.argv[1:] if argv is None else list(argv)
-    for seed in range(args.seeds):
+    if args.from_results:
+        for path in sorted(args.runs_dir.glob("result-*.json")):
+            runs.append(RunResult(**json.loads(path.read_text())))
+        if not runs:
+            ap.error(f"no result-*.json in {args.runs_dir}")
+    for seed in range(0 if args.from_results else args.seeds):
         for variant in args.variants:
             path = args.runs_dir / f"result-{variant.replace(' ', '_')}-s{seed}.json"
             cmd = [sys.executable, __file__, *passed, "--one", variant, str(seed), str(path)]
