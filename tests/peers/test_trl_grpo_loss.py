@@ -145,8 +145,8 @@ def test_learner_grpo_update_equals_trl(policy: Policy, loss_type: str, tmp_path
     ])  # fmt: skip
     learner = Learner(model, cfg.learner, cfg.algo, policy.pad_id, policy.eos_id, policy.device)
     result = learner.update(trajs)
-    assert result.metrics["loss"] == pytest.approx(float(trl_loss), rel=1e-5, abs=1e-7)
-    assert float(trl_loss) != 0.0
+    assert result.metrics["loss"] == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-7)
+    assert trl_loss.item() != 0.0
     _assert_same(_grads(model), trl_grads)
 
 
@@ -178,6 +178,6 @@ def test_clipped_grpo_loss_equals_trl(policy: Policy, tmp_path) -> None:  # type
     out = grpo_loss(stats.logp, old, inputs["advantages"], batch.mask, clip_low=0.2,
                     clip_high=0.28, clip_ratio_c=3.0, rollout_logp=None)  # fmt: skip
     out.loss.backward()
-    assert float(out.loss) == pytest.approx(float(trl_loss), rel=1e-5, abs=1e-7)
+    assert float(out.loss) == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-7)
     assert out.metrics["clipfrac"] > 0
     _assert_same(_grads(model), trl_grads)
