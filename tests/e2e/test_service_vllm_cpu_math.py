@@ -44,10 +44,13 @@ def test_cpu_math_through_the_service_with_vllm_workers(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
     data, model = tmp_path / "data", tmp_path / "model"
+    # 150 format-pretraining steps: some rewards are 1, so the updates change the weights (with
+    # 20, every reward was 0 and every version the same weights). Head size 32 for vLLM's CPU.
     for args in (["make-data", str(data), "--per-kind", "30", "--kinds",
                   "decimal,expression,fraction"],
                  ["make-model", str(model), "--data", str(data / "train.jsonl"), "--template",
-                  "plain", "--pretrain-steps", "150", "--set", "model.tiny.num_heads=2"]):  # fmt: skip
+                  "plain", "--pretrain-steps", "150",
+                  "--set", "model.tiny.num_heads=2"]):  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
