@@ -21,7 +21,6 @@ calibration) is done above, by ``services/setup.py``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -58,6 +57,7 @@ from reval.config import RunConfig, dump_config, public_dump
 from reval.control import LeaseHeld, RunControl, RunLease, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import compute_dtype, load_policy
+from reval.procs import follow_parent
 from reval.weight_sync import build_publisher
 
 log = logging.getLogger("reval.learner")
@@ -510,29 +510,6 @@ _EARLY_STOP: list[threading.Event] = []
 """Set by a signal that arrives before a spawned rank's service exists (``_rank_main``)."""
 
 
-def _follow_parent(parent: int) -> None:
-    """A spawned rank stops when the ``reval learner`` that spawned it dies (a SIGKILL of the
-    parent left its ranks training on as orphans, beside the next learner of the run): on Linux
-    the kernel sends it SIGTERM (``prctl(PR_SET_PDEATHSIG)``); everywhere a watchdog thread sees
-    the parent gone within half a second, sends the same SIGTERM, and exits hard if the rank
-    has not ended ``PARENT_GRACE_S`` later."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1  # <linux/prctl.h>
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-
-    def watch() -> None:
-        while os.getppid() == parent:  # (checked after prctl: a parent already gone counts)
-            time.sleep(0.5)
-        log.error("the reval learner process %d that spawned this rank is gone: stopping", parent)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(PARENT_GRACE_S)
-        log.error("still running %.0f s after the parent died: exiting", PARENT_GRACE_S)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="reval-parent-watch", daemon=True).start()
-
-
 def _rank_main(
     rank: int,
     world: int,
@@ -550,7 +527,8 @@ def _rank_main(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _s, _f: early.set())
     _EARLY_STOP.append(early)
-    _follow_parent(parent)
+    # A SIGKILL of the parent left its ranks training on as orphans, beside the next learner.
+    follow_parent(parent, signal.SIGTERM, PARENT_GRACE_S, what="learner rank")
     if sys.platform.startswith("linux"):  # spawned ranks are all on this machine: gloo on lo
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.update(

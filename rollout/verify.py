@@ -58,6 +58,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from reval.procs import follow_parent
+
 if TYPE_CHECKING:
     from rollout.task_types import Prompt
 
@@ -333,35 +335,12 @@ class MathVerify:
 # -- worker process -------------------------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """End this worker when the pool's process dies, even by SIGKILL (its exit handlers never
-    run) and even while sympy is busy: Linux's parent-death signal when the pool's process
-    started this one (``spawn``), and a watchdog thread that notices being re-parented (both
-    contexts; an idle worker also ends on its pipe's EOF)."""
-    ppid = os.getppid()
-    if ppid == parent_pid:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
-        if os.getppid() != ppid:  # the parent died before prctl
-            os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == ppid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _worker_main(conn: Connection, grader: MathVerify, parent_pid: int) -> None:
+def _worker_main(conn: Connection, grader: MathVerify) -> None:
     """A worker's main thread: ``(task_id, gold, pred)`` in, ``(task_id, score, reason, detail)``
     out; ``None`` or EOF ends it."""
-    _die_with_parent(parent_pid)
+    # Ends with the pool's process (or, under forkserver, the server that forked it), even by
+    # SIGKILL and while sympy is busy; an idle worker also ends on its pipe's EOF.
+    follow_parent(os.getppid(), signal.SIGKILL, what="grading worker")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     for name in ("math_verify", "latex2sympy2_extended"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -671,7 +650,7 @@ class VerifierPool:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(child_conn, self.grader, os.getpid()),
+            args=(child_conn, self.grader),
             name="verifier-worker",
             daemon=True,
         )

@@ -27,15 +27,20 @@ from __future__ import annotations
 import json
 import logging
 import math
+import multiprocessing as mp
+import os
+import signal
 import statistics
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from reval.config import RunConfig, load_config
+from reval.procs import follow_parent
 
 log = logging.getLogger("reval.experiment")
 
@@ -128,11 +133,21 @@ def _run_job(base_json: str, job: Job, max_rounds: int, threshold: float) -> Cel
                 loop_s, gen_s)  # fmt: skip
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     import torch
+
+    # A killed ``reval experiment`` left its pool's workers running through the whole queue.
+    follow_parent(parent, signal.SIGKILL, what="experiment worker")
 
     torch.set_num_threads(1)
     logging.getLogger().setLevel(logging.WARNING)
+
+
+def worker_pool(workers: int) -> ProcessPoolExecutor:
+    """The pool the runs go to: spawned processes of one torch thread each, which end with this
+    process (a killed ``reval experiment`` left them running through the whole queue)."""
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                               initializer=_worker_init, initargs=(os.getpid(),))  # fmt: skip
 
 
 class Runner:
@@ -152,12 +167,9 @@ class Runner:
             for job in todo:
                 self._record(job, _run_job(self.base_json, job, self.max_rounds, self.threshold))
         else:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor, as_completed
+            from concurrent.futures import as_completed
 
-            ctx = mp.get_context("spawn")
-            with ProcessPoolExecutor(min(self.workers, len(todo)), mp_context=ctx,
-                                     initializer=_worker_init) as pool:  # fmt: skip
+            with worker_pool(min(self.workers, len(todo))) as pool:
                 futures = {pool.submit(_run_job, self.base_json, job, self.max_rounds,
                                        self.threshold): job for job in todo}  # fmt: skip
                 for fut in as_completed(futures):

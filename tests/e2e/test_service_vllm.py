@@ -60,8 +60,10 @@ def settings(tmp_path: Path, url: str, prefix: str) -> list[str]:
     ]
 
 
-def start(tmp_path: Path, role: str, sets: list[str], *args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "services.cli", role, "--config", "configs/oneshot.toml"]
+def start(
+    tmp_path: Path, role: str, sets: list[str], *args: str, config: str = "configs/oneshot.toml"
+) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "services.cli", role, "--config", config]
     for s in sets:
         cmd += ["--set", s]
     name = f"{role}-{'-'.join(args)}"

@@ -4,9 +4,14 @@ table, JSON and figure are written, a method that needs fewer rounds shows it.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,3 +74,44 @@ def test_oneshot_rejects_bad_arguments():
     ):
         bad = subprocess.run(cli + extra, cwd=ROOT, capture_output=True, text=True)
         assert bad.returncode == 2 and msg in bad.stderr, (extra, bad.stderr[-500:])
+
+
+PARENT = """
+import os, sys, time
+from services.experiments import worker_pool
+with worker_pool(2) as pool:
+    pids = sorted({pool.submit(os.getpid).result() for _ in range(8)})
+    print(" ".join(map(str, pids)), flush=True)
+    for _ in pids:
+        pool.submit(time.sleep, 300)
+    time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_experiment_leaves_no_workers(tmp_path):
+    """SIGKILL of `reval experiment` (its exit handlers never run): the pool's workers, busy
+    with a run, end within seconds (they used to run on through the whole queue)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert parent.stdout is not None
+        workers = [int(p) for p in parent.stdout.readline().split()]
+        assert workers and all(_alive(p) for p in workers)
+        time.sleep(0.5)  # both busy sleeping
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in workers), "orphaned experiment workers still run"
+    finally:
+        parent.kill()
