@@ -44,11 +44,19 @@ def learner_for(model, algo: str, **kw) -> Learner:
 
 
 def single_process_step(algo: str) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    policy = load_policy(ModelConfig(device="cpu"), seed=0)
-    learner = learner_for(policy.model, algo)
-    learner.update(batch(uneven=algo == "grpo"))
-    return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    # One thread, as in the ranks: Adam's first step moves a weight by about lr * sign(grad),
+    # so a gradient element near zero that two threads' reduction order rounds to the other
+    # sign moves by 2 * lr apart (seen at 2 threads after log-probs became chunked).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        policy = load_policy(ModelConfig(device="cpu"), seed=0)
+        learner = learner_for(policy.model, algo)
+        learner.update(batch(uneven=algo == "grpo"))
+        return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _rank(rank: int, world: int, port: int, algo: str, out: str) -> None:

@@ -23,6 +23,7 @@ ONESHOT = [
     "rollout.prompts_per_round=4",
     "rollout.n=8",
     "rollout.max_new_tokens=3",
+    "rollout.temperature=1.0",  # the one-shot study's (configs/oneshot.toml), not the demo's 1.3
     "buffer.capacity=256",
     "learner.batch_size=32",
     "learner.updates_per_round=2",
