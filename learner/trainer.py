@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -49,6 +50,9 @@ class Learner:
     parameters and AdamW's state stay in their own dtype (fp32 masters)."""
     reference: ReferencePolicy = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
+    old_logp: dict[str, np.ndarray] = field(init=False, default_factory=dict)
+    """GRPO: per-token log-probs of the policy before a round's first update, by ``traj_id``
+    (``remember_old_logp``); the ratio of a later update of the round is taken against them."""
 
     def __post_init__(self) -> None:
         self.model.train()
@@ -82,6 +86,38 @@ class Learner:
 
     def reset_reference(self) -> None:
         self.reference.reset(self.model)
+
+    @torch.no_grad()
+    def remember_old_logp(self, trajectories: Sequence[Trajectory]) -> None:
+        """GRPO with several updates per generation round: record each trajectory's per-token
+        log-probs under the current weights, before the round's first update (verl's
+        ``compute_log_prob`` before its mini-batches, TRL's ``old_per_token_logps`` with
+        ``steps_per_generation > 1``). Every later update of the round takes its PPO ratio
+        against them, so the clip binds against the policy that generated the round. Without
+        it (one update per batch, the service) the old log-probs are the update's own (ratio 1)
+        and the off-policy part is the TIS weight's. Replaces the previous round's record."""
+        self.old_logp = {}
+        parts = micro_batches(
+            [(t.prompt_ids.size, t.response_ids.size) for t in trajectories],
+            self.learner_cfg.micro_batch_size,
+            self.learner_cfg.max_tokens_per_micro_batch,
+        )
+        for part in parts:
+            chunk = [trajectories[i] for i in part]
+            batch = collate(chunk, self.pad_id, self.eos_id).to(self.device)
+            logp = policy_stats(self.model, batch, self.compute_dtype).logp.float().cpu()
+            for i, t in enumerate(chunk):
+                self.old_logp[t.traj_id] = logp[i, : t.response_ids.size].numpy().copy()
+
+    def _old_logp(self, chunk: Sequence[Trajectory], logp: torch.Tensor) -> torch.Tensor:
+        """[B, T] old log-probs of a GRPO micro-batch: the remembered ones where there are
+        (each used by one update), this update's own elsewhere."""
+        old = logp.detach().clone()
+        for i, t in enumerate(chunk):
+            kept = self.old_logp.pop(t.traj_id, None)
+            if kept is not None:
+                old[i, : kept.size] = torch.from_numpy(kept).to(old.device, old.dtype)
+        return old
 
     def update(
         self, trajectories: Sequence[Trajectory], weights: Sequence[float] | None = None
@@ -152,7 +188,7 @@ class Learner:
                 adv = advantages[rows].to(self.device)
                 out = grpo_loss(
                     stats.logp,
-                    stats.logp.detach(),
+                    self._old_logp(chunk, stats.logp),
                     adv,
                     batch.mask,
                     clip_low=self.algo.clip_low,

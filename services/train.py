@@ -151,6 +151,8 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
         t_gen = time.perf_counter() - t0
         buffer.set_policy_version(learner.step)
         evicted = buffer.insert(result.trajectories)
+        if cfg.algo.name == "grpo" and per_round > 1:  # later updates clip against this policy
+            learner.remember_old_logp(result.trajectories)
         upd: dict[str, float] = {}
         done = 0
         for k in range(per_round):

@@ -97,6 +97,20 @@ def test_baselines_run_through_the_same_loop(tmp_path, algo):
         assert res.final_success > res.initial_success
 
 
+def test_grpo_rounds_of_two_updates_clip_against_the_generating_policy(tmp_path):
+    """A round of 32 trajectories in batches of 16: the second update's PPO ratio is taken
+    against the policy that generated the round (it moved in the first), so it is not 1."""
+    res = train(cfg_for(tmp_path, "algo.name=grpo", "learner.updates_per_round=1", "algo.tis_cap=0",
+                        "learner.batch_size=16",
+                        "learner.rounds=3", "metrics.plot=false", name="grpo2"))  # fmt: skip
+    rounds = res.history[1:]
+    assert [r["updates"] for r in rounds] == [2, 2, 2]
+    assert res.history[-1]["policy_version"] == 6
+    # each round's record is the mean of its two updates: (1 + ratio of the second) / 2
+    assert all(abs(r["ratio_mean"] - 1.0) > 1e-6 for r in rounds), rounds
+    assert all(r["ppo_kl"] != 0.0 for r in rounds)
+
+
 def run_cli(*args: str, cwd: Path):
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],

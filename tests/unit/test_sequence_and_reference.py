@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from buffer.records import Trajectory
-from learner.losses import value_loss
+from learner.losses import grpo_advantages, grpo_loss, value_loss
 from learner.reference import ReferencePolicy
 from learner.sequence import collate, policy_stats
 from learner.trainer import Learner
@@ -148,3 +148,31 @@ def test_grpo_update_moves_toward_rewarded_answers(model):
         after = policy_stats(model, collate(ts, PAD, EOS)).slp
     gain = after - before
     assert gain[:4].mean() > gain[4:].mean()
+
+
+def test_grpo_later_update_of_a_round_clips_against_the_pre_round_policy(model):
+    """Two updates per round: the second update's ratio is taken against the log-probs the
+    round started with (verl's old_log_prob, TRL's steps_per_generation), not its own (1)."""
+    ts = trajs(16)
+    for i, t in enumerate(ts):
+        t.group_id = f"g{i // 8}"
+        t.reward_raw = float(i % 2)
+    first, second = ts[:8], ts[8:]
+    lc = LearnerConfig(micro_batch_size=8, lr=5e-2, grad_clip=100.0)  # one micro-batch
+    learner = Learner(model, lc, AlgoConfig(name="grpo", tis_cap=0.0), PAD, EOS,
+                      torch.device("cpu"))  # fmt: skip
+    with torch.no_grad():
+        pre = policy_stats(model, collate(second, PAD, EOS)).logp
+    learner.remember_old_logp(ts)
+    assert learner.update(first).metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    with torch.no_grad():
+        now = policy_stats(model, collate(second, PAD, EOS))
+    adv = grpo_advantages(torch.tensor([t.reward_raw for t in second]), [t.group_id for t in second])
+    expected = grpo_loss(now.logp, pre, adv, collate(second, PAD, EOS).mask, tis_cap=0.0)
+    got = learner.update(second).metrics
+    assert abs(expected.metrics["ratio_mean"] - 1.0) > 1e-3  # the first update moved the policy
+    assert got["ratio_mean"] == pytest.approx(expected.metrics["ratio_mean"], rel=1e-5)
+    assert got["ppo_kl"] == pytest.approx(expected.metrics["ppo_kl"], rel=1e-4, abs=1e-7)
+    assert learner.old_logp == {}  # each remembered row serves one update
+    # Without a remembered round the update is its own old policy.
+    assert learner.update(second).metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
