@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+ROUND_TRAJECTORIES = 512
+"""Trajectories per generation round: the demo's 32 prompts x 16 answers."""
 VARIANTS: dict[str, tuple[str, ...]] = {
     "TRL GRPO": (),
     "reval GRPO": (
@@ -269,6 +271,19 @@ def _spread(values: Sequence[float], fmt: str) -> str:
     return f"{med} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
 
 
+def censored_median(values: Sequence[float | None]) -> float | None:
+    """Median over every seed, a run that never reached the threshold counting as above all that
+    did (None: it is one of those, i.e. fewer than half the seeds reached it)."""
+    order = sorted(values, key=lambda v: (v is None, v if v is not None else 0.0))
+    n = len(order)
+    if n == 0:
+        return None
+    lo, hi = order[(n - 1) // 2], order[n // 2]
+    if lo is None or hi is None:
+        return None
+    return (lo + hi) / 2
+
+
 def summarize(runs: list[RunResult], args: argparse.Namespace) -> dict[str, Any]:
     thr = args.threshold
     rows = []
@@ -277,21 +292,27 @@ def summarize(runs: list[RunResult], args: argparse.Namespace) -> dict[str, Any]
         f"sampling temperature {args.temperature:g}; success = the demo's evaluation every "
         f"{args.eval_every} rounds; threshold {thr:g}. Median [min-max] over the seeds; times "
         "exclude the evaluations.\n",
-        f"| variant | reached {thr:g} | rounds to it | trajectories to it | seconds to it "
-        "| final success | learner tokens/s | peak RSS (MB) | seconds per run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| variant | reached {thr:g} | median rounds to it (all seeds) | rounds to it "
+        "| trajectories to it | seconds to it | final success | learner tokens/s | peak RSS (MB) "
+        "| seconds per run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    medians: dict[str, float | None] = {}
     for variant in VARIANTS:
         mine = [r for r in runs if r.variant == variant]
         if not mine:
             continue
-        hits = [p for p in (first_at(r, thr) for r in mine) if p is not None]
+        firsts = [first_at(r, thr) for r in mine]
+        hits = [p for p in firsts if p is not None]
+        med = censored_median([None if p is None else p["trajectories"] for p in firsts])
+        medians[variant] = med
         finals = [next(p["eval_success"] for p in reversed(r.curve) if "eval_success" in p)
                   for r in mine]  # fmt: skip
         tps = [r.learner_tokens / r.learner_s for r in mine if r.learner_s > 0]
         row = {
             "variant": variant,
             "reached": f"{len(hits)}/{len(mine)}",
+            "median_trajectories_all_seeds": med,
             "rounds_to_threshold": [p["round"] for p in hits],
             "trajectories_to_threshold": [p["trajectories"] for p in hits],
             "seconds_to_threshold": [p["train_s"] for p in hits],
@@ -302,20 +323,28 @@ def summarize(runs: list[RunResult], args: argparse.Namespace) -> dict[str, Any]
         }
         rows.append(row)
         lines.append(
-            f"| {variant} | {row['reached']} | {_spread(row['rounds_to_threshold'], 'g')} | "
+            f"| {variant} | {row['reached']} | "
+            f"{'-' if med is None else format(med / ROUND_TRAJECTORIES, 'g')} | "
+            f"{_spread(row['rounds_to_threshold'], 'g')} | "
             f"{_spread(row['trajectories_to_threshold'], 'g')} | "
             f"{_spread(row['seconds_to_threshold'], '.1f')} | {_spread(finals, '.2f')} | "
             f"{_spread(tps, '.0f')} | {_spread(row['peak_rss_mb'], '.0f')} | "
             f"{_spread(row['wall_s'], '.0f')} |"
         )
-    return {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+    trl, ours = medians.get("TRL GRPO"), medians.get("reval GRPO")
+    gap = None if not trl or ours is None else ours / trl - 1.0
+    said = "not reached by both on half the seeds or more"
+    if gap is not None:
+        said = f"{ours:g} vs {trl:g} ({gap:+.0%})"
+    lines.append(f"\nreval GRPO vs TRL GRPO, median trajectories to the threshold: {said}")
+    return {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "grpo_gap": gap,
             "runs": [asdict(r) for r in runs], "table": "\n".join(lines) + "\n"}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=150, help="generation rounds per run")
+    ap.add_argument("--rounds", type=int, default=300, help="generation rounds per run")
     ap.add_argument("--threshold", type=float, default=0.2, help="success counted as reached")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     ap.add_argument("--eval-every", type=int, default=10)

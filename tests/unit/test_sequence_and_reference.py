@@ -167,7 +167,8 @@ def test_grpo_later_update_of_a_round_clips_against_the_pre_round_policy(model):
     assert learner.update(first).metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     with torch.no_grad():
         now = policy_stats(model, collate(second, PAD, EOS))
-    adv = grpo_advantages(torch.tensor([t.reward_raw for t in second]), [t.group_id for t in second])
+    raw = torch.tensor([t.reward_raw for t in second])
+    adv = grpo_advantages(raw, [t.group_id for t in second])
     expected = grpo_loss(now.logp, pre, adv, collate(second, PAD, EOS).mask, tis_cap=0.0)
     got = learner.update(second).metrics
     assert abs(expected.metrics["ratio_mean"] - 1.0) > 1e-3  # the first update moved the policy
