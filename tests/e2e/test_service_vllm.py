@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,21 @@ def start(
     )
 
 
+def stop_all(workers: Iterable[subprocess.Popen[str]], learner: subprocess.Popen[str]) -> None:
+    """SIGTERM the workers still running, wait for every process, then SIGKILL whatever is left
+    of its process group (vLLM's engine processes)."""
+    workers = list(workers)
+    for p in workers:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in [*workers, learner]:
+        try:
+            p.wait(timeout=120)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+
 def keep_versions(weights: Path, into: Path, stop: threading.Event) -> None:
     """Hard-link every published version as it appears (the learner keeps only the last 3)."""
     into.mkdir(parents=True, exist_ok=True)
@@ -115,15 +131,7 @@ def test_service_with_two_vllm_workers_learns_the_one_shot_task(
     finally:
         stop.set()
         keeper.join()
-        for p in workers.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in [*workers.values(), learner]:
-            try:
-                p.wait(timeout=120)
-            finally:  # whatever is left of its process group (vLLM's engine processes)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
+        stop_all(workers.values(), learner)
     for w, p in workers.items():
         out = (tmp_path / f"rollout---engine-{engine}---worker-id-{w}.out").read_text()
         assert p.returncode == 0, (w, out[-3000:])

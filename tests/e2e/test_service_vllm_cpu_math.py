@@ -12,10 +12,7 @@ takes no smaller (tests/integration/test_vllm_real_model.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +25,7 @@ from buffer.redis_ring import RedisRing
 from reval.config import load_config
 from reval.metrics import read_jsonl
 from reval.policy import load_policy
-from tests.e2e.test_service_vllm import TOL, keep_versions, logprob_error, start
+from tests.e2e.test_service_vllm import TOL, keep_versions, logprob_error, start, stop_all
 
 pytestmark = pytest.mark.vllm
 
@@ -79,15 +76,7 @@ def test_cpu_math_through_the_service_with_vllm_workers(
     finally:
         stop.set()
         keeper.join()
-        for p in workers.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in [*workers.values(), learner]:
-            try:
-                p.wait(timeout=120)
-            finally:  # whatever is left of its process group (vLLM's engine processes)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
+        stop_all(workers.values(), learner)
     for w, p in workers.items():
         out = (tmp_path / f"rollout---engine-vllm---worker-id-{w}.out").read_text()
         assert p.returncode == 0, (w, out[-3000:])
