@@ -65,6 +65,9 @@ class RunResult:
     gen_s: float = 0.0
     peak_rss_mb: float = 0.0
     wall_s: float = 0.0
+    nonfinite_round: int | None = None
+    """TRL: the first round after which a weight was NaN or infinite (reval skips such steps:
+    its learner's ``skipped_steps``)."""
 
 
 def base_overrides(args: argparse.Namespace, seed: int) -> list[str]:
@@ -227,6 +230,10 @@ def run_trl(seed: int, args: argparse.Namespace) -> RunResult:
             self.spent += step_s
             res.learner_s += step_s - trainer._round_gen_s
             rnd = int(state.global_step)
+            if res.nonfinite_round is None and not all(
+                bool(torch.isfinite(p).all()) for p in model.parameters()
+            ):
+                res.nonfinite_round = rnd
             rewards = trainer._metrics["train"].get("reward") or [float("nan")]
             point = {"round": rnd, "trajectories": rnd * round_size, "train_s": self.spent,
                      "reward_mean": float(rewards[-1])}  # fmt: skip
