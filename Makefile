@@ -84,6 +84,7 @@ test: lint $(VLLM_STAMP)
 	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
 	$(MAKE) test-floors
+	$(MAKE) test-peers
 
 # The tests marked `vllm` (real vLLM engines on the CPU), in the vLLM venv.
 test-vllm: $(VLLM_STAMP)
@@ -106,9 +107,8 @@ clean:
 gpu-smoke: $(STAMP)
 	$(BIN)/python -m pytest -q -s -m gpu tests/gpu
 
-# The peers lane (docs/peers.md): not part of `make test`, since building its venv pulls trl and
-# its dependencies (minutes without a pip cache) on top of the three venvs CI already builds; run
-# it by hand or in a CI lane that has the extra.
+# The peers lane (docs/peers.md), the last of `make test`: a venv with trl (about 3 min to build
+# from the pip cache), then the numerical cross-check with TRL and the benchmark's smoke run.
 .PHONY: venv-peers test-peers
 $(PEERS_STAMP): pyproject.toml
 	test -x $(PEERS_BIN)/python || $(PY) -m venv $(PEERS_VENV)
