@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import uuid
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -34,6 +37,18 @@ def make_traj(
 @pytest.fixture
 def traj_factory():
     return make_traj
+
+
+@pytest.fixture
+def peer_bench() -> ModuleType:
+    """benchmarks/peer_bench.py as a module (benchmarks/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_bench.py"
+    spec = importlib.util.spec_from_file_location("peer_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["peer_bench"] = mod  # (its dataclasses look their module up there)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 # -- Redis ---------------------------------------------------------------------------------------

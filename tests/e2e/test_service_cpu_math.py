@@ -22,16 +22,23 @@ from tests.e2e.test_service import logs, start
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(900)
-def test_cpu_math_through_the_service(tmp_path: Path, redis_url: str, redis_prefix: str) -> None:
+def make_task(tmp_path: Path, *make_model_args: str) -> tuple[Path, Path]:
+    """`reval make-data` (30 problems of each of the preset's kinds) and `reval make-model` on
+    its training file, as a user would run them: (data directory, model directory)."""
     data, model = tmp_path / "data", tmp_path / "model"
     for args in (["make-data", str(data), "--per-kind", "30", "--kinds",
                   "decimal,expression,fraction"],
                  ["make-model", str(model), "--data", str(data / "train.jsonl"), "--template",
-                  "plain", "--pretrain-steps", "20"]):  # fmt: skip
+                  "plain", *make_model_args]):  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
+    return data, model
+
+
+@pytest.mark.timeout(900)
+def test_cpu_math_through_the_service(tmp_path: Path, redis_url: str, redis_prefix: str) -> None:
+    data, model = make_task(tmp_path, "--pretrain-steps", "20")
     sets = [
         "buffer.backend=redis", f"buffer.redis_url={redis_url}",
         f"buffer.key_prefix={redis_prefix}", f"output_dir={tmp_path}", "name=cm",

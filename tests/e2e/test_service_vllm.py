@@ -97,6 +97,20 @@ def stop_all(workers: Iterable[subprocess.Popen[str]], learner: subprocess.Popen
                 os.killpg(p.pid, signal.SIGKILL)
 
 
+def worker_summaries(
+    tmp_path: Path, engine: str, workers: dict[str, subprocess.Popen[str]]
+) -> dict[str, dict]:
+    """Each worker's closing summary line (its stdout's last ``{"worker"...`` line), after
+    asserting that it exited 0."""
+    out: dict[str, dict] = {}
+    for w, p in workers.items():
+        text = (tmp_path / f"rollout---engine-{engine}---worker-id-{w}.out").read_text()
+        assert p.returncode == 0, (w, text[-3000:])
+        line = next(x for x in reversed(text.splitlines()) if x.startswith('{"worker"'))
+        out[w] = json.loads(line)
+    return out
+
+
 def keep_versions(weights: Path, into: Path, stop: threading.Event) -> None:
     """Hard-link every published version as it appears (the learner keeps only the last 3)."""
     into.mkdir(parents=True, exist_ok=True)
@@ -132,12 +146,7 @@ def test_service_with_two_vllm_workers_learns_the_one_shot_task(
         stop.set()
         keeper.join()
         stop_all(workers.values(), learner)
-    for w, p in workers.items():
-        out = (tmp_path / f"rollout---engine-{engine}---worker-id-{w}.out").read_text()
-        assert p.returncode == 0, (w, out[-3000:])
-        summary = json.loads(
-            next(x for x in reversed(out.splitlines()) if x.startswith('{"worker"'))
-        )
+    for summary in worker_summaries(tmp_path, engine, workers).values():
         assert len(summary["versions"]) > 3, summary  # it took new weights as they came
         assert summary["trajectories"] > 0, summary
     rows = read_jsonl(run_dir / "learner.jsonl")

@@ -12,9 +12,6 @@ takes no smaller (tests/integration/test_vllm_real_model.py)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -25,11 +22,18 @@ from buffer.redis_ring import RedisRing
 from reval.config import load_config
 from reval.metrics import read_jsonl
 from reval.policy import load_policy
-from tests.e2e.test_service_vllm import TOL, keep_versions, logprob_error, start, stop_all
+from tests.e2e.test_service_cpu_math import make_task
+from tests.e2e.test_service_vllm import (
+    TOL,
+    keep_versions,
+    logprob_error,
+    start,
+    stop_all,
+    worker_summaries,
+)
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/cpu_math.toml"
 STEPS = 6
 MAX_NEW = 12
@@ -40,17 +44,9 @@ MAX_NEW = 12
 def test_cpu_math_through_the_service_with_vllm_workers(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
-    data, model = tmp_path / "data", tmp_path / "model"
     # 150 format-pretraining steps: some rewards are 1, so the updates change the weights (with
     # 20, every reward was 0 and every version the same weights). Head size 32 for vLLM's CPU.
-    for args in (["make-data", str(data), "--per-kind", "30", "--kinds",
-                  "decimal,expression,fraction"],
-                 ["make-model", str(model), "--data", str(data / "train.jsonl"), "--template",
-                  "plain", "--pretrain-steps", "150",
-                  "--set", "model.tiny.num_heads=2"]):  # fmt: skip
-        done = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
+    data, model = make_task(tmp_path, "--pretrain-steps", "150", "--set", "model.tiny.num_heads=2")
     sets = [
         "buffer.backend=redis", f"buffer.redis_url={redis_url}",
         f"buffer.key_prefix={redis_prefix}", f"output_dir={tmp_path}", "name=cmv",
@@ -77,12 +73,7 @@ def test_cpu_math_through_the_service_with_vllm_workers(
         stop.set()
         keeper.join()
         stop_all(workers.values(), learner)
-    for w, p in workers.items():
-        out = (tmp_path / f"rollout---engine-vllm---worker-id-{w}.out").read_text()
-        assert p.returncode == 0, (w, out[-3000:])
-        summary = json.loads(
-            next(x for x in reversed(out.splitlines()) if x.startswith('{"worker"'))
-        )
+    for summary in worker_summaries(tmp_path, "vllm", workers).values():
         assert summary["trajectories"] > 0, summary
     rows = read_jsonl(run_dir / "learner.jsonl")
     assert rows[-1]["update"] == STEPS and max(r["workers"] for r in rows) >= 2

@@ -207,12 +207,9 @@ def test_n_samples_per_prompt(engine: GenerationEngine, tokenizer: PreTrainedTok
         engine.generate([[]], SamplingParams(), seed=0)
 
 
-def test_finish_reasons_and_eos(
-    engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase
-) -> None:
-    eos = engine.eos_id
-    prompts = encode(tokenizer, SHORT + LONG)
-    out = engine.generate(prompts, SamplingParams(n=8, temperature=1.5, max_new_tokens=40), seed=3)
+def finish_reasons(out: list[list[Sample]], eos: int, max_new_tokens: int) -> Counter[str]:
+    """Count the samples' finish reasons, asserting each one's rule: ``stop`` ends at its first
+    EOS, ``length`` holds exactly ``max_new_tokens`` tokens and no EOS."""
     reasons: Counter[str] = Counter()
     for s in (s for samples in out for s in samples):
         reasons[s.finish_reason] += 1
@@ -220,7 +217,17 @@ def test_finish_reasons_and_eos(
         if s.finish_reason == "stop":
             assert ids[-1] == eos and eos not in ids[:-1]
         else:
-            assert len(ids) == 40 and eos not in ids
+            assert len(ids) == max_new_tokens and eos not in ids
+    return reasons
+
+
+def test_finish_reasons_and_eos(
+    engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    eos = engine.eos_id
+    prompts = encode(tokenizer, SHORT + LONG)
+    out = engine.generate(prompts, SamplingParams(n=8, temperature=1.5, max_new_tokens=40), seed=3)
+    reasons = finish_reasons(out, eos, 40)
     assert reasons["stop"] > 0 and reasons["length"] > 0, reasons
     one = engine.generate(prompts, SamplingParams(n=8, temperature=1.5, max_new_tokens=1), seed=4)
     for s in (s for samples in one for s in samples):

@@ -12,7 +12,6 @@ Marked ``vllm``: the vLLM lane runs it (``make test-vllm``). One engine for the 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from rollout.math_task import format_prompt, read_rows
 from rollout.vllm_engine import VLLMEngine
 from rollout.word_problems import write_dataset
 from services.make_model import make_model
-from tests.integration.test_engine_conformance import assert_matches_reference
+from tests.integration.test_engine_conformance import assert_matches_reference, finish_reasons
 
 pytestmark = pytest.mark.vllm
 
@@ -102,15 +101,8 @@ def test_logprobs_match_teacher_forced(
 def test_generation_stops_on_im_end(
     engine: VLLMEngine, tokenizer: PreTrainedTokenizerBase, made: tuple[Path, list[str]]
 ) -> None:
-    eos = engine.eos_id
     out = engine.generate(prompts(tokenizer, made[1]), SamplingParams(n=8, max_new_tokens=24), 3)
-    reasons: Counter[str] = Counter()
-    for s in (s for samples in out for s in samples):
-        reasons[s.finish_reason] += 1
-        ids = s.token_ids.tolist()
-        if s.finish_reason == "stop":
-            assert ids[-1] == eos and eos not in ids[:-1]
-            assert tokenizer.decode(ids).endswith("<|im_end|>")
-        else:
-            assert len(ids) == 24 and eos not in ids
+    reasons = finish_reasons(out, engine.eos_id, 24)
+    stopped = [s.token_ids for samples in out for s in samples if s.finish_reason == "stop"]
+    assert all(tokenizer.decode(ids.tolist()).endswith("<|im_end|>") for ids in stopped)
     assert reasons["stop"] > 0, reasons  # the format-pretrained model ends its answers

@@ -4,36 +4,20 @@ pretrained model (the same round-0 evaluation) and generate the same budget per 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-pytest.importorskip("trl")
-
-pytestmark = pytest.mark.peers
-
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.peers  # tests/conftest.py collects tests/peers only where trl is
 
 
-def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "peer_bench", ROOT / "benchmarks" / "peer_bench.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["peer_bench"] = mod  # (its dataclasses look their module up there)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_quick_run_writes_table_and_figure(tmp_path: Path) -> None:
+def test_quick_run_writes_table_and_figure(tmp_path: Path, peer_bench: ModuleType) -> None:
     out, runs_dir = tmp_path / "out", tmp_path / "runs"
     argv = ["--quick", "--variants", "TRL GRPO", "reval GRPO",
             "--out", str(out), "--runs-dir", str(runs_dir)]  # fmt: skip
-    assert _bench().main(argv) == 0
+    assert peer_bench.main(argv) == 0
     report = json.loads((out / "peers.json").read_text())
     assert (out / "peers.png").stat().st_size > 0
     table = (out / "peers.md").read_text()

@@ -5,7 +5,7 @@ KL), temperature 1 (TRL scales its log-probs by the sampling temperature; reval'
 temperature-1 policy). Both sides get the same advantages: TRL computes them inside its
 generation step (``(r - mean) / (std + 1e-4)`` against reval's ``+ 1e-6``, docs/peers.md).
 
-Runs in the peers venv (``make test-peers``); skipped where trl is not installed.
+Runs in the peers venv (``make test-peers``); tests/conftest.py collects it only where trl is.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-pytest.importorskip("trl")
 
 from buffer.records import Trajectory
 from learner.losses import grpo_advantages, grpo_loss

@@ -4,26 +4,11 @@ the threshold, and the GRPO line compares reval's with TRL's over all seeds."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from types import ModuleType
 
 
-def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "peer_bench", ROOT / "benchmarks" / "peer_bench.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["peer_bench"] = mod  # (its dataclasses look their module up there)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_censored_median_counts_unreached_seeds_as_slowest() -> None:
-    med = _bench().censored_median
+def test_censored_median_counts_unreached_seeds_as_slowest(peer_bench: ModuleType) -> None:
+    med = peer_bench.censored_median
     assert med([100.0, None, 300.0]) == 300.0  # not 200: the unreached seed is the slowest
     assert med([100.0, 200.0, 300.0]) == 200.0
     assert med([None, 100.0, None]) is None  # fewer than half reached
@@ -33,8 +18,8 @@ def test_censored_median_counts_unreached_seeds_as_slowest() -> None:
     assert med([]) is None
 
 
-def test_table_states_the_grpo_gap_over_all_seeds() -> None:
-    bench = _bench()
+def test_table_states_the_grpo_gap_over_all_seeds(peer_bench: ModuleType) -> None:
+    bench = peer_bench
 
     def run(variant: str, seed: int, reached_at: int | None):
         curve = [{"round": float(r), "trajectories": float(512 * r), "train_s": float(r),
