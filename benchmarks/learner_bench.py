@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--response", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    shape = TinyModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+    shape = TinyModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                             intermediate_size=512, max_position_embeddings=256)  # fmt: skip
     cfg = ModelConfig(device="cpu", tiny=shape)
     policy = load_policy(cfg, seed=0)

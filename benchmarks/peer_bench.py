@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 .venv-peers/bin/python benchmarks/peer_bench.py --seeds 3   # docs/peers/
     OMP_NUM_THREADS=1 .venv-peers/bin/python benchmarks/peer_bench.py --quick     # smoke run
 
-Every run starts from the demo's model (``configs/demo.toml``: the tiny Qwen2, the character
+Every run starts from the demo's model (``configs/demo.toml``: the tiny model, the character
 tokenizer, the same 300 pretraining steps on the addition task's format, seeded), samples the same
 prompts (32 of the 100 ``a+b=`` per round), the same reward (exact match), the same sampling
 (n = 16, temperature, 4 new tokens, top-p 1) and the same generation budget (``--rounds`` rounds of

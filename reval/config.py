@@ -71,7 +71,10 @@ class _Section(BaseModel):
 
 
 class TinyModelConfig(_Section):
-    """Shape of the random-initialized Qwen2-style model used by tests and the demo."""
+    """Shape of the random-initialized model used by tests and the demo: a Llama-architecture
+    decoder with Qwen2's biased query/key/value projections (``attention_bias``), whose head size
+    is set on its own, so that vLLM (which honours ``head_dim`` for Llama, not for Qwen2) serves
+    exactly the model the learner trains."""
 
     hidden_size: int = Field(64, ge=8)
     """Width of the residual stream."""
@@ -79,6 +82,10 @@ class TinyModelConfig(_Section):
     """Number of decoder layers."""
     num_heads: int = Field(4, ge=1)
     """Attention heads per layer."""
+    head_dim: int | None = Field(32, ge=4)
+    """Width of each attention head; ``None`` gives ``hidden_size / num_heads``. 32 by default:
+    vLLM's CPU attention takes heads of 32 or more (docs/rollout.md), so ``reval rollout --engine
+    vllm`` serves the default model with no ``--set``."""
     num_kv_heads: int = Field(2, ge=1)
     """Key/value heads (grouped-query attention); must divide ``num_heads``."""
     intermediate_size: int = Field(128, ge=8)
@@ -88,11 +95,20 @@ class TinyModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError("model.tiny.hidden_size must be divisible by num_heads")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                "model.tiny.hidden_size must be divisible by num_heads (or set head_dim)"
+            )
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError("model.tiny.head_dim must be even (rotary embeddings pair dims)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("model.tiny.num_heads must be divisible by num_kv_heads")
         return self
+
+    @property
+    def head_size(self) -> int:
+        """The width of each head: ``head_dim``, or ``hidden_size / num_heads`` when unset."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
 
 class ModelConfig(_Section):

@@ -1,7 +1,8 @@
 """The policy model and tokenizer factory.
 
 Real checkpoints (a local directory or a hub id) load through the ordinary ``from_pretrained``
-path. With no checkpoint, a tiny random-initialized Qwen2-style model is built from the config,
+path. With no checkpoint, a tiny random-initialized Llama-architecture model (Qwen2's biased
+attention projections, a head size of its own) is built from the config,
 with a character-level tokenizer that the project builds itself (no download anywhere).
 ``build_bpe_tokenizer`` makes the tokenizer of a real-shaped local checkpoint (``reval
 make-model``): byte-level BPE with Qwen2's pre-tokenizer, Qwen's special tokens and a Qwen2.5-style
@@ -30,11 +31,11 @@ from tokenizers import (
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
@@ -134,15 +135,19 @@ def build_bpe_tokenizer(
 
 def build_tiny_model(
     shape: TinyModelConfig, vocab_size: int, pad_id: int, eos_id: int, seed: int
-) -> Qwen2ForCausalLM:
-    """A random-initialized Qwen2 causal LM of the given shape (deterministic in ``seed``)."""
-    config = Qwen2Config(
+) -> LlamaForCausalLM:
+    """A random-initialized causal LM of the given shape (deterministic in ``seed``): Llama's
+    architecture, which HF and vLLM both build with ``head_dim`` as given (vLLM's Qwen2 derives
+    it from the hidden size), with biased projections in attention like Qwen2's."""
+    config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_size,
+        attention_bias=True,
         max_position_embeddings=shape.max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=pad_id,
@@ -152,7 +157,7 @@ def build_tiny_model(
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = Qwen2ForCausalLM(config)
+        model = LlamaForCausalLM(config)
     finally:
         torch.random.set_rng_state(state)
     return model

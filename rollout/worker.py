@@ -107,17 +107,16 @@ def tiny_checkpoint(cfg: RunConfig, seed: int, directory: Path) -> tuple[str, st
     directory, tokenizer directory). The worker then waits for the learner's weights like any
     other. ValueError when vLLM cannot run the model's shape.
 
-    The tokenizer has no model config beside it on purpose: next to a Qwen2 ``config.json``,
-    transformers 5's ``AutoTokenizer`` loads it as a ``Qwen2Tokenizer``, which drops spaces
-    ("Code? " -> 5 ids instead of 6), so the workers' prompts would not be the learner's."""
+    The tokenizer has no model config beside it, so that ``AutoTokenizer`` reads the class it was
+    saved with and never the model type's: beside a Qwen2 ``config.json``, transformers 5 loaded
+    it as a ``Qwen2Tokenizer``, which drops spaces ("Code? " -> 5 ids instead of 6), and the
+    workers' prompts would not have been the learner's."""
     tiny = cfg.model.tiny
-    head_dim = tiny.hidden_size // tiny.num_heads
-    if head_dim < VLLM_MIN_HEAD_DIM:
+    if tiny.head_size < VLLM_MIN_HEAD_DIM:
         raise ValueError(
-            f"rollout.engine=vllm: the tiny model's head size is {head_dim} "
-            f"(model.tiny.hidden_size {tiny.hidden_size} / num_heads {tiny.num_heads}); vLLM "
-            f"needs >= {VLLM_MIN_HEAD_DIM}: give the learner and the workers e.g. "
-            f"model.tiny.num_heads={max(1, tiny.hidden_size // VLLM_MIN_HEAD_DIM)}"
+            f"rollout.engine=vllm: the tiny model's head size is {tiny.head_size} "
+            f"(model.tiny.head_dim); vLLM needs >= {VLLM_MIN_HEAD_DIM}: give the learner and "
+            f"the workers model.tiny.head_dim={VLLM_MIN_HEAD_DIM}"
         )
     policy = load_policy(cfg.model.model_copy(update={"device": "cpu"}), seed)
     policy.model.save_pretrained(directory / "model")

@@ -5,13 +5,14 @@
 
 ``make-model OUT --data TRAIN.jsonl`` writes a Hugging Face checkpoint that loads from its path
 exactly as a hub checkpoint does (``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained``,
-and vLLM): a Qwen2 config and random weights (``model.tiny``'s shape, seeded) and a byte-level
-BPE tokenizer trained with ``tokenizers`` on the project's own corpus (the data's problems and
-worked solutions, and the prompt templates' text), with Qwen's special tokens, a distinct pad
-token and a Qwen2.5-style chat template (``reval/policy.py``). With ``--pretrain-steps`` the model
-is then pretrained on the answer *format* of the data under the given prompt template (each
-problem followed by another problem's boxed answer: the right shape, not the right answer), so
-RL starts from a model that answers in the format, at about chance.
+and vLLM): random weights of ``model.tiny``'s shape (seeded; Llama's architecture with Qwen2's
+attention biases) and a byte-level BPE tokenizer trained with ``tokenizers`` on the project's own
+corpus (the data's problems and worked solutions, and the prompt templates' text), with Qwen's
+special tokens, a distinct pad token and a Qwen2.5-style chat template (``reval/policy.py``).
+With ``--pretrain-steps`` the model is then pretrained on the answer *format* of the data under
+the given prompt template (each problem followed by another problem's boxed answer: the right
+shape, not the right answer), so RL starts from a model that answers in the format, at about
+chance.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--kinds", default="integer,negative,fraction,decimal,expression")
     d.add_argument("--test-fraction", type=float, default=0.2, help="held out per kind")
     d.add_argument("--seed", type=int, default=0)
-    m = sub.add_parser("make-model", help="write a real-shaped local checkpoint (BPE, Qwen2)")
+    m = sub.add_parser("make-model", help="write a real-shaped local checkpoint (BPE, Qwen chat)")
     m.add_argument("out", help="output directory (a Hugging Face checkpoint)")
     m.add_argument("--data", required=True, help="DeepScaleR-format JSONL: corpus and format")
     m.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary, at most")

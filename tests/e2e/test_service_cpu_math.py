@@ -1,6 +1,6 @@
 """The real model and data path through the service: real Redis, `reval learner` and two
 `reval rollout` workers on the preset configs/cpu_math.toml with a checkpoint from
-`reval make-model` (BPE tokenizer, Qwen2) and the generated word problems, graded by math-verify
+`reval make-model` (BPE tokenizer, Qwen chat) and the generated word problems, graded by math-verify
 in each worker's pool. Mechanics only (a few updates); learning is the slow test of
 tests/integration/test_cpu_math.py."""
 

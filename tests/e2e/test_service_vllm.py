@@ -45,7 +45,6 @@ def settings(tmp_path: Path, url: str, prefix: str) -> list[str]:
         f"buffer.key_prefix={prefix}",
         f"output_dir={tmp_path}",
         "name=e2e-vllm",
-        "model.tiny.num_heads=2",  # head size 32: vLLM's smallest
         "model.pretrain_steps=200",
         "buffer.capacity=64",
         "buffer.samples_per_insert=4",

@@ -7,8 +7,7 @@ Mechanics only (a few updates; learning is tests/integration/test_cpu_math.py's 
 workers feed the learner, every record ends in the checkpoint's EOS or is cut at
 `rollout.max_new_tokens`, and every record's policy version and behaviour log-probs come from the
 weights that generated it (HF teacher-forced under that version's published weights).
-The checkpoint's shape has head size 32 (`--set model.tiny.num_heads=2`): vLLM's CPU attention
-takes no smaller (tests/integration/test_vllm_real_model.py)."""
+The checkpoint has make-model's default shape (heads of 32, which vLLM's CPU attention takes)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,8 @@ def test_cpu_math_through_the_service_with_vllm_workers(
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
     # 150 format-pretraining steps: some rewards are 1, so the updates change the weights (with
-    # 20, every reward was 0 and every version the same weights). Head size 32 for vLLM's CPU.
-    data, model = make_task(tmp_path, "--pretrain-steps", "150", "--set", "model.tiny.num_heads=2")
+    # 20, every reward was 0 and every version the same weights).
+    data, model = make_task(tmp_path, "--pretrain-steps", "150")
     sets = [
         "buffer.backend=redis", f"buffer.redis_url={redis_url}",
         f"buffer.key_prefix={redis_prefix}", f"output_dir={tmp_path}", "name=cmv",

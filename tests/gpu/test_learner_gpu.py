@@ -39,6 +39,7 @@ QWEN_05B = {
     "model.tiny.intermediate_size": 4864,
     "model.tiny.num_layers": 24,
     "model.tiny.num_heads": 14,
+    "model.tiny.head_dim": 64,
     "model.tiny.num_kv_heads": 2,
     "model.tiny.max_position_embeddings": 2048,
 }

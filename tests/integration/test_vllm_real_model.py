@@ -1,12 +1,11 @@
-"""The checkpoint of ``reval make-model`` (Qwen2, byte-level BPE tokenizer, Qwen's special tokens,
+"""The checkpoint of ``reval make-model`` (byte-level BPE tokenizer, Qwen's special tokens,
 chat template) in the vLLM engine adapter, loaded from its path as a hub checkpoint is: vLLM's
 tokenizer is the checkpoint's (ids, chat template, EOS ``<|im_end|>``, a distinct pad), its
 behaviour log-probs equal HF's teacher-forced ones (the conformance suite's check), and
 generation stops on ``<|im_end|>``.
 
-The shape is given here: ``model.tiny``'s default has head size 16 (64 / 4 heads), which vLLM's
-CPU attention does not take (its smallest is 32); ``num_heads=2`` gives 32. The preset
-(configs/cpu_math.toml) keeps the default shape, whose learning is the measured one.
+The shape is make-model's default (``model.tiny``: heads of 32, vLLM's smallest on the CPU), the
+one configs/cpu_math.toml's measured runs start from.
 Marked ``vllm``: the vLLM lane runs it (``make test-vllm``). One engine for the module.
 """
 
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from reval.config import TinyModelConfig
 from rollout.engines import SamplingParams
@@ -29,8 +28,6 @@ from tests.integration.test_engine_conformance import assert_matches_reference, 
 
 pytestmark = pytest.mark.vllm
 
-SHAPE = TinyModelConfig(num_heads=2)
-"""make-model's default shape with head size 32 (vLLM's smallest on the CPU) instead of 16."""
 KINDS = ("decimal", "expression", "fraction")
 
 
@@ -40,7 +37,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     held-out problems."""
     root = tmp_path_factory.mktemp("real_model")
     write_dataset(root / "data", per_kind=30, seed=0, kinds=KINDS)
-    make_model(root / "model", root / "data" / "train.jsonl", SHAPE, template="plain",
+    make_model(root / "model", root / "data" / "train.jsonl", TinyModelConfig(), template="plain",
                pretrain_steps=60)  # fmt: skip
     problems = [str(r["problem"]) for r in read_rows(str(root / "data" / "test.jsonl"))]
     return root / "model", problems
@@ -91,7 +88,7 @@ def test_logprobs_match_teacher_forced(
     temperature: float,
     top_p: float,
 ) -> None:
-    model = Qwen2ForCausalLM.from_pretrained(made[0], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(made[0], dtype=torch.float32).eval()
     ids = prompts(tokenizer, made[1])
     params = SamplingParams(n=4, temperature=temperature, top_p=top_p, max_new_tokens=24)
     out = engine.generate(ids, params, seed=5)

@@ -8,7 +8,7 @@ the vLLM worker's does). The vLLM engine joins late, another worker is killed mi
 learner's failed collective ends within its timeout (re-forming the group without the dead member
 waits at most two, as ``BroadcastHub._form`` says) and the survivor ends on the newest version.
 
-The model is ~230 MB of float32 (a random Qwen2, 4 layers of width 1024) so that a copy would
+The model is ~230 MB of float32 (``build_tiny_model``, 4 layers of width 1024) so that a copy would
 show in the RSS. Correctness without a reference model in this process: all-zero weights give
 exactly the uniform log-prob -log(V), and the checkpoint's own weights give back the samples
 the engine drew before any update (per-request seeds).
@@ -45,7 +45,7 @@ import sys
 from reval.config import TinyModelConfig
 from reval.policy import build_char_tokenizer, build_tiny_model
 tok = build_char_tokenizer()
-shape = TinyModelConfig(hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4,
+shape = TinyModelConfig(hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=64,
                         intermediate_size=4096, max_position_embeddings=256)
 model = build_tiny_model(shape, len(tok), tok.pad_token_id, tok.eos_token_id, seed=0)
 model.save_pretrained(sys.argv[1])

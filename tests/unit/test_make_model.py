@@ -33,10 +33,13 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_loads_like_a_hub_checkpoint(made: tuple[Path, Path]) -> None:
     _, path = made
     tok = AutoTokenizer.from_pretrained(path)
-    # the class of the model's type, as for a hub checkpoint (Qwen2TokenizerFast on transformers 4)
+    # the class its tokenizer_config.json names, as for a Qwen hub checkpoint (Qwen2TokenizerFast
+    # on transformers 4)
     assert type(tok).__name__ in ("Qwen2Tokenizer", "Qwen2TokenizerFast")
     model = AutoModelForCausalLM.from_pretrained(path)
-    assert model.config.model_type == "qwen2"
+    # Llama's architecture: HF and vLLM both read its head size from the config (docs/demo.md)
+    assert model.config.model_type == "llama" and model.config.attention_bias
+    assert model.config.head_dim == TinyModelConfig().head_size == 32
     assert model.config.vocab_size == len(tok) <= 512
     ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     assert ids == [len(tok) - 3, len(tok) - 2, len(tok) - 1]

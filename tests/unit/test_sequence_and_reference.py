@@ -1,4 +1,4 @@
-"""Model plumbing on a real tiny Qwen2: layout, padding invariance, micro-batching, reference."""
+"""Model plumbing on the real tiny model: layout, padding invariance, micro-batching, reference."""
 
 from __future__ import annotations
 
