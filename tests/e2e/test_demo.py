@@ -2,8 +2,8 @@
 
 The default run shortens it to 200 of its 600 rounds (the curve's rise comes 50 rounds later on
 some CPUs than on others: kernels round differently and the RL loop amplifies it, docs/demo.md).
-The `slow` test runs the whole demo on two seeds and holds it to the bar of every seed: >= 0.8
-success at the last round."""
+The `slow` test runs the whole demo on its two slowest seeds and holds it to the bar of every
+seed: >= 0.8 success at the last round."""
 
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ def test_shortened_demo_learns_addition(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [2, 3])
+@pytest.mark.parametrize("seed", [1, 3])
 def test_full_demo_learns_on_every_seed(tmp_path, seed):
-    """`make demo` with another seed (about two minutes each here). Seeds 2 and 3 were the slow
-    ones: at sampling temperature 1.0 seed 3 levelled off near 0.77 (docs/demo.md)."""
+    """`make demo` with another seed (about two minutes each here). Seeds 1 and 3 are the slow
+    ones of the heads-of-32 model: 0.85 and 0.90 at round 600 (docs/demo.md, "Heads vLLM can
+    serve"); with the earlier model and sampling at 1.0, seed 3 levelled off near 0.77."""
     cfg = load_config(
         overrides=[f"seed={seed}", f"output_dir={tmp_path}", "metrics.progress=false"],
         environ={},
