@@ -1,7 +1,8 @@
 """The GPU smoke run with vLLM: one learner rank (NCCL group, FSDP2, bf16 compute on fp32
 masters, the token budget) and one vLLM engine on the same GPU, on a random model of
-Qwen2.5-0.5B's shape, 20 updates: generate with vLLM, update the learner on what it generated, hand the weights to
-vLLM (``VLLMEngine.load_weights``: the file path the workers take), and compare.
+Qwen2.5-0.5B's shape, 20 updates: generate with vLLM, update the learner on what it generated,
+hand the weights to vLLM (``VLLMEngine.load_weights``: the file path the workers take), and
+compare.
 
 It asserts that every loss is finite, that vLLM's weights after each sync equal the learner's
 (checksums of all parameters in bf16, summed in float64: vLLM fuses q/k/v and gate/up and pads
