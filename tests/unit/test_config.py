@@ -72,6 +72,30 @@ def test_invalid_values_name_the_field(override, field):
     assert field in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.tiny.head_dim=null", "model.tiny.hidden_size=60", "model.tiny.num_heads=8"],
+         "divisible by num_heads"),
+        (["model.tiny.head_dim=33"], "even"),
+        (["model.tiny.num_heads=6", "model.tiny.num_kv_heads=4"], "num_kv_heads"),
+    ],
+)  # fmt: skip
+def test_tiny_shape_rules(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides, environ={})
+
+
+def test_tiny_head_size_is_its_own_or_the_width_per_head():
+    assert load_config(environ={}).model.tiny.head_size == 32  # heads of 32 at width 64
+    free = load_config(
+        overrides=["model.tiny.hidden_size=60", "model.tiny.num_heads=6"], environ={}
+    )
+    assert free.model.tiny.head_size == 32  # the width need not divide when head_dim is set
+    derived = load_config(overrides=["model.tiny.head_dim=null"], environ={})
+    assert derived.model.tiny.head_size == 16
+
+
 def test_cross_field_rules():
     with pytest.raises(ConfigError, match="capacity"):
         build_config({"buffer": {"capacity": 10}})
