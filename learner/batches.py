@@ -2,10 +2,12 @@
 of ``reval train`` or the Redis replay service of ``reval learner``), and how a batch is shared
 among the learner ranks.
 
-- ReVal, TBRM, regression (off-policy): out of every ``updates_per_round`` updates the first takes
-  the newest never-used trajectories (``learner.first_update_fresh``, the paper's appendix) and
-  the others sample the FIFO window uniformly; the buffer's sample-to-insert limiter
-  (``buffer.samples_per_insert``, which follows from K) keeps the reuse at K in the service.
+- ReVal, TBRM, regression (off-policy): out of every ``updates_per_round`` updates the first
+  ``fresh_updates`` take the newest never-used trajectories (``learner.first_update_fresh``, the
+  paper's appendix: as many updates as one round of trajectories fills, so every trajectory is
+  used at least once before it is evicted) and the others sample the FIFO window uniformly; the
+  buffer's sample-to-insert limiter (``buffer.samples_per_insert``, which follows from K) and the
+  workers' pacing (``buffer.generate_ahead``) keep the reuse at K in the service.
 - GRPO (on-policy): every batch takes whole groups of never-used trajectories, newest first, so
   each trajectory is used once and a group is never split (its advantages need all of it).
 """
@@ -30,7 +32,8 @@ class BatchSource:
     on_policy: bool
     """GRPO: whole groups, each trajectory once."""
     updates_per_round: int = 1
-    first_update_fresh: bool = True
+    fresh_updates: int = 1
+    """Updates of each round that take never-used trajectories (``RunConfig.fresh_updates``)."""
     drawn: int = 0
     """Batches handed out so far (the position in the fresh/replay schedule)."""
 
@@ -41,15 +44,13 @@ class BatchSource:
             cfg.batch_size,
             on_policy=cfg.algo.name == "grpo",
             updates_per_round=cfg.learner.updates_per_round,
-            first_update_fresh=cfg.learner.first_update_fresh,
+            fresh_updates=cfg.fresh_updates,
         )
 
     @property
     def next_is_fresh(self) -> bool:
         """Whether the next batch takes never-used trajectories (rather than a uniform sample)."""
-        return self.on_policy or (
-            self.first_update_fresh and self.drawn % self.updates_per_round == 0
-        )
+        return self.on_policy or self.drawn % self.updates_per_round < self.fresh_updates
 
     def next(self, timeout: float = 0.0) -> SampledBatch:
         """The next batch; raises SampleTimeout (and keeps its place in the schedule) when the

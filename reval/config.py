@@ -9,6 +9,7 @@ This module imports no torch so the control plane and the buffer stay light.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tomllib
@@ -222,12 +223,14 @@ class BufferConfig(_Section):
     batch_size / (prompts_per_round * n)`` (the paper's K = 2 with B = one round: each
     trajectory is used K times; ``RunConfig.samples_per_insert``), so the service reuses data as
     the one-process loop does."""
-    generate_ahead: int | None = Field(None, ge=0)
+    generate_ahead: Annotated[int, Field(ge=0)] | Literal["off"] | None = None
     """Rollout workers wait before a generation batch while the learner owes more than this many
     samples under the limiter (``samples_per_insert * inserted - sampled``): generation runs at
     most this far ahead of training, so each trajectory is used K times also when the learner is
-    the slower side. Unset: workers never wait for the learner (what they generate faster than it
-    trains is used fewer than K times, or evicted unused)."""
+    the slower side (Reverb's rate limiter blocks the faster side the same way). Unset: one
+    learner round's worth, ``samples_per_insert * round_size`` (``RunConfig.generate_ahead``).
+    ``"off"``: workers never wait for the learner (what they generate faster than it trains is
+    used fewer than K times, or evicted unused)."""
     rate_slack: int = Field(0, ge=0)
     """Trajectories the learner may sample beyond the ratio before it waits."""
     min_size_to_sample: int = Field(0, ge=0)
@@ -268,8 +271,11 @@ class LearnerConfig(_Section):
     batch_size: int | None = Field(None, ge=1)
     """B: trajectories per update; ``None`` means one round's worth (prompts_per_round * n)."""
     first_update_fresh: bool = True
-    """Whether the first of the K updates uses the round's fresh batch (the paper's appendix)
-    rather than a uniform sample from the buffer (its §4.3)."""
+    """Whether the first updates of a round train on the round's fresh trajectories (the paper's
+    appendix), rather than every update on a uniform sample of the buffer (its §4.3). The fresh
+    batch is the whole round: ``round_size // batch_size`` updates (at most ``updates_per_round``)
+    take never-used trajectories, so no trajectory is evicted before it is used once (the paper's
+    B = one round: the first update)."""
     micro_batch_size: int = Field(64, ge=1)
     """Trajectories per forward/backward; gradients accumulate to the full-batch gradient."""
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
@@ -471,6 +477,28 @@ class RunConfig(_Section):
         if self.algo.name == "grpo":
             return 1.0
         return self.learner.updates_per_round * self.batch_size / self.round_size
+
+    @property
+    def fresh_updates(self) -> int:
+        """Updates of a round that take never-used trajectories (``learner.first_update_fresh``):
+        as many as one round fills, at most ``updates_per_round``; every one for GRPO."""
+        if self.algo.name == "grpo":
+            return self.learner.updates_per_round
+        if not self.learner.first_update_fresh:
+            return 0
+        return min(self.learner.updates_per_round, self.round_size // self.batch_size)
+
+    def generate_ahead(self, samples_per_insert: float | None = None) -> int | None:
+        """Samples the learner may owe before rollout workers wait (``buffer.generate_ahead``):
+        when unset, one learner round, ``samples_per_insert * round_size`` (with the K in force,
+        ``samples_per_insert``, when a live change gave another); None when ``"off"``."""
+        ahead = self.buffer.generate_ahead
+        if ahead == "off":
+            return None
+        if ahead is None:
+            k = self.samples_per_insert if samples_per_insert is None else samples_per_insert
+            return math.ceil(k * self.round_size)
+        return ahead
 
     @property
     def run_dir(self) -> Path:

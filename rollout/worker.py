@@ -200,6 +200,8 @@ class RolloutWorker:
         self.weights = build_subscriber(cfg, self.client, self.worker_id)
         self.control = RunControl(self.client, b.key_prefix, cfg.name)
         self.paused = False
+        self.status = "starting"
+        """What the registration says: starting, running or paused."""
         self.samples_per_insert: float | None = cfg.samples_per_insert
         """K of the limiter (live changes followed): what ``generate_ahead`` measures against."""
         self.last_tick = time.monotonic()
@@ -213,7 +215,12 @@ class RolloutWorker:
 
     # -- registration -------------------------------------------------------------------------
 
-    def _register(self, status: str) -> None:
+    def _register(self, status: str | None = None) -> None:
+        """Registration with ``status`` (it becomes the worker's status; None: the status it
+        has), refreshed by the heartbeat with the status of the moment."""
+        if status is not None:
+            self.status = status
+        status = self.status
         info = {
             "id": self.worker_id,
             "engine": self.cfg.rollout.engine,
@@ -235,7 +242,7 @@ class RolloutWorker:
 
     def _beat(self) -> None:
         while not self.stop.wait(self.cfg.rollout.heartbeat_s):
-            self._register("running")
+            self._register()
 
     def _deregister(self) -> None:
         try:
@@ -368,7 +375,7 @@ class RolloutWorker:
                     self.stop.wait(0.2)
                     continue
                 if self._load():
-                    self._register("running")
+                    self._register()
                 if self._ahead():
                     t_wait = time.monotonic()
                     self.stop.wait(0.05)
@@ -384,8 +391,8 @@ class RolloutWorker:
     def _ahead(self) -> bool:
         """Whether generation is more than ``buffer.generate_ahead`` samples ahead of the
         learner under the limiter (then the worker waits: each trajectory is used K times)."""
-        limit = self.cfg.buffer.generate_ahead
-        if limit is None or self.samples_per_insert is None:
+        limit = self.cfg.generate_ahead(self.samples_per_insert)
+        if limit is None:
             return False
         try:
             st = self.ring.stats()
