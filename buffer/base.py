@@ -42,13 +42,25 @@ class BufferStats:
     evicted: int
     """Trajectories evicted (the oldest, when full)."""
     sampled: int
-    """Trajectories handed out by ``sample``."""
+    """Trajectories handed out by ``sample`` and ``take``."""
     rejected: int = 0
     """Malformed records refused (on insert or found on read)."""
     dropped_stale: int = 0
     """Trajectories dropped because they exceeded ``max_staleness``."""
     policy_version: int = 0
     """The learner's policy version, as last published with ``set_policy_version``."""
+    evicted_unused: int = 0
+    """Of ``evicted``, those never handed out: generation the learner never trained on."""
+
+    @property
+    def reuse(self) -> float:
+        """Realised samples per insert (``sampled / inserted``): K as the run delivers it."""
+        return self.sampled / self.inserted if self.inserted else 0.0
+
+    @property
+    def unused_share(self) -> float:
+        """Share of the evicted trajectories that were evicted unused."""
+        return self.evicted_unused / self.evicted if self.evicted else 0.0
 
 
 @dataclass

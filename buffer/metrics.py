@@ -7,6 +7,9 @@
 | ``reval_buffer_inserts_total`` | counter | trajectories inserted by this process |
 | ``reval_buffer_samples_total`` | counter | trajectories sampled by this process |
 | ``reval_buffer_evictions_total`` | counter | trajectories evicted by this process's inserts |
+| ``reval_buffer_evicted_unused_total`` | counter | of those, evicted never used |
+| ``reval_buffer_samples_per_insert`` | gauge | the run's realised reuse, sampled / inserted |
+| ``reval_buffer_evicted_unused_ratio`` | gauge | the run's share of evictions that were unused |
 | ``reval_buffer_rejected_total`` | counter | malformed records refused (insert or read) |
 | ``reval_buffer_dropped_stale_total`` | counter | stale trajectories dropped/skipped |
 | ``reval_buffer_sample_latency_seconds`` | histogram | one ``sample`` call, waiting included |
@@ -29,6 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from buffer.base import BufferStats
 
 P = "reval_buffer_"
 
@@ -96,6 +101,15 @@ class BufferMetrics:
         self.inserts = Counter(f"{P}inserts", "Trajectories inserted", registry=r)
         self.samples = Counter(f"{P}samples", "Trajectories sampled", registry=r)
         self.evictions = Counter(f"{P}evictions", "Trajectories evicted", registry=r)
+        self.evicted_unused = Counter(
+            f"{P}evicted_unused", "Trajectories evicted never used", registry=r
+        )
+        self.samples_per_insert = Gauge(
+            f"{P}samples_per_insert", "Realised reuse of the run: sampled / inserted", registry=r
+        )
+        self.evicted_unused_ratio = Gauge(
+            f"{P}evicted_unused_ratio", "Share of the run's evictions that were unused", registry=r
+        )
         self.rejected = Counter(f"{P}rejected", "Malformed records refused", registry=r)
         self.dropped_stale = Counter(f"{P}dropped_stale", "Stale trajectories", registry=r)
         self.sample_latency = Histogram(
@@ -122,6 +136,12 @@ class BufferMetrics:
         self.backend_errors = Counter(f"{P}backend_errors", "Failed backend calls", registry=r)
         self.spool_records = Gauge(f"{P}spool_records", "Records spooled locally", registry=r)
         self.spool_dropped = Counter(f"{P}spool_dropped", "Spooled records dropped", registry=r)
+
+    def observe_stats(self, stats: BufferStats) -> None:
+        """The run-wide figures of a ``stats()`` read: size, realised reuse, unused evictions."""
+        self.size.set(stats.size)
+        self.samples_per_insert.set(stats.reuse)
+        self.evicted_unused_ratio.set(stats.unused_share)
 
     def observe_sample(
         self, latency: float, wait: float, staleness: Iterable[int], uses: Iterable[int]

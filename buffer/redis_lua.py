@@ -1,8 +1,8 @@
 """The Redis ring's server-side scripts. Each runs atomically, so any number of producers and
 consumers can share a run. Keys of a run (one hash tag, so they share a cluster slot):
 
-- ``meta`` (hash): capacity, head, tail, evicted, sampled, rejected, dropped, version,
-  maxp, leaves
+- ``meta`` (hash): capacity, head, tail, evicted, evicted_unused (evicted with a use count of
+  0), sampled, rejected, dropped, version, maxp, leaves
 - ``dig`` (sorted set): digest of each inserted chunk's trajectory ids -> its first position
   (trimmed below the tail), so a producer's retry of a chunk that had landed is not stored twice
 - ``tree`` (hash): the sum tree of priorities, node -> sum (prioritized runs only)
@@ -85,6 +85,23 @@ local function set_slots(key, p0, count, blob)
     redis.call('SETRANGE', key, 0, string.sub(blob, first * 4 + 1, count * 4))
   end
 end
+-- Positions in [p0, p0 + count) whose use count (``use``) is 0: evicted unused. Runs over the
+-- evicted positions only (about one insert's worth), in at most two ranges.
+local function count_unused(p0, count)
+  if count <= 0 then return 0 end
+  local zeros, s0 = 0, p0 % cap
+  local first = math.min(count, cap - s0)
+  local spans = {{s0, first}}
+  if count > first then spans[2] = {0, count - first} end
+  for _, sp in ipairs(spans) do
+    local raw = redis.call('GETRANGE', use, sp[1] * 4, (sp[1] + sp[2]) * 4 - 1)
+    for i = 0, sp[2] - 1 do
+      local j = i * 4
+      if string.sub(raw, j + 1, j + 4) == '\0\0\0\0' or #raw < j + 4 then zeros = zeros + 1 end
+    end
+  end
+  return zeros
+end
 local function slot_version(slot)  -- nil: no trajectory there
   local raw = redis.call('GETRANGE', ver, slot * 4, slot * 4 + 3)
   if #raw < 4 then return nil end
@@ -124,7 +141,7 @@ return {m[1], m[2]}
 # KEYS[8]: the stage hash the same transaction has just written (fields 0..n-1: the records).
 # ARGV: capacity, n, prioritized (0/1), digest of the chunk's ids ('' = none), the versions blob
 # (4 bytes big-endian per record: version + 1). Returns {inserted, evicted, duplicates, size,
-# first position}.
+# first position, evicted unused}.
 INSERT = (
     _PRELUDE
     + """
@@ -147,13 +164,17 @@ if digest ~= '' then
   local at = redis.call('ZSCORE', dig, digest)
   if at then  -- a retried chunk that had landed
     redis.call('UNLINK', stage)
-    return {0, 0, n, head - tail, tonumber(at)}
+    return {0, 0, n, head - tail, tonumber(at), 0}
   end
 end
 local start = head
 head = head + n
 local new_tail = math.max(tail, head - cap)
 local evicted = new_tail - tail
+-- Held positions evicted now, read before their slots take the new records' counts; a batch
+-- longer than M evicts some of its own records too, which no one has used.
+local unused = count_unused(tail, math.min(new_tail, start) - tail)
+  + math.max(0, new_tail - start)
 drop_chunks(new_tail)
 -- A batch longer than M evicts some of its own records: they are never read (below the tail)
 -- and go with their chunk.
@@ -172,8 +193,9 @@ if prio then
 end
 redis.call('HSET', meta, 'head', head, 'tail', new_tail)
 if evicted > 0 then redis.call('HINCRBY', meta, 'evicted', evicted) end
+if unused > 0 then redis.call('HINCRBY', meta, 'evicted_unused', unused) end
 if digest ~= '' then redis.call('ZADD', dig, start, digest) end
-return {n, evicted, 0, head - new_tail, start}
+return {n, evicted, 0, head - new_tail, start, unused}
 """
 )
 

@@ -531,7 +531,7 @@ class RedisRing:
                         break
                     chunk = self._inflight = self._spool[0]
                 try:
-                    inserted, ev, _dup, size, first = self._retry(
+                    inserted, ev, _dup, size, first, unused = self._retry(
                         functools.partial(self._send, chunk),
                         max(0.0, deadline - time.monotonic()),
                     )
@@ -548,6 +548,7 @@ class RedisRing:
                 if self.metrics is not None:
                     self.metrics.inserts.inc(int(inserted))
                     self.metrics.evictions.inc(int(ev))
+                    self.metrics.evicted_unused.inc(int(unused))
                     self.metrics.size.set(int(size))
         self._set_spool_gauge()
         return evicted
@@ -1056,6 +1057,7 @@ class RedisRing:
             "head",
             "tail",
             "evicted",
+            "evicted_unused",
             "sampled",
             "rejected",
             "dropped",
@@ -1068,6 +1070,7 @@ class RedisRing:
             capacity=v["capacity"] or self._capacity,
             inserted=v["head"],
             evicted=v["evicted"],
+            evicted_unused=v["evicted_unused"],
             sampled=v["sampled"],
             rejected=v["rejected"],
             dropped_stale=v["dropped"],

@@ -60,6 +60,7 @@ class MemoryRing:
         self._head = 0  # total inserted; next slot is head % capacity
         self._tail = 0  # oldest held position
         self._evicted = 0
+        self._evicted_unused = 0
         self._sampled = 0
         self._rejected = 0
         self._dropped = 0
@@ -100,7 +101,7 @@ class MemoryRing:
                 if self.metrics is not None:
                     self.metrics.rejected.inc()
                 raise RecordError(f"record {i} ({t.traj_id!r}): {err}; batch not written") from None
-        evicted = 0
+        evicted = unused = 0
         with self._cond:
             first = self._head
             for t in trajectories:
@@ -113,6 +114,7 @@ class MemoryRing:
                     self._index.pop(old.traj_id, None)
                     self._tail += 1
                     evicted += 1
+                    unused += old.use_count == 0
                 self._slots[slot] = t
                 self._index[t.traj_id] = self._head
                 if self._tree is not None:
@@ -123,11 +125,13 @@ class MemoryRing:
             while self._inserts and self._inserts[0][1] <= self._tail:
                 self._inserts.popleft()
             self._evicted += evicted
+            self._evicted_unused += unused
             self._cond.notify_all()
             size = len(self)
         if self.metrics is not None:
             self.metrics.inserts.inc(len(trajectories))
             self.metrics.evictions.inc(evicted)
+            self.metrics.evicted_unused.inc(unused)
             self.metrics.size.set(size)
         return evicted
 
@@ -371,7 +375,7 @@ class MemoryRing:
         with self._cond:
             self._slots = [None] * self._capacity
             self._index.clear()
-            self._head = self._tail = self._evicted = self._sampled = 0
+            self._head = self._tail = self._evicted = self._evicted_unused = self._sampled = 0
             self._rejected = self._dropped = self._version = 0
             self._tree = SumTree(self._capacity) if self.prioritized else None
             self._max_priority = 1.0
@@ -384,6 +388,7 @@ class MemoryRing:
                 capacity=self._capacity,
                 inserted=self._head,
                 evicted=self._evicted,
+                evicted_unused=self._evicted_unused,
                 sampled=self._sampled,
                 rejected=self._rejected,
                 dropped_stale=self._dropped,

@@ -130,11 +130,12 @@ class LearnerService:
         # Token ids index the embedding (and the logits' last dimension): a record with an id
         # past it would raise inside the update, so the ring quarantines it on read.
         self.vocab_size = int(self.model.config.vocab_size)
+        self.buffer_metrics = BufferMetrics(self.metrics.registry) if self.rank == 0 else None
         self.ring = make_buffer(
             cfg.buffer,
             cfg.name,
             seed=cfg.seed * 7919 + self.rank,
-            metrics=BufferMetrics(self.metrics.registry) if self.rank == 0 else None,
+            metrics=self.buffer_metrics,
             samples_per_insert=cfg.samples_per_insert,
             limits=RecordLimits(self.vocab_size, cfg.buffer.reward_bound),
         )
@@ -467,7 +468,15 @@ class LearnerService:
         self.metrics.workers.set(alive)
         try:
             ring = self.ring.stats()
-            counters = {"buffer_inserted": ring.inserted, "buffer_sampled": ring.sampled}
+            counters = {
+                "buffer_inserted": ring.inserted,
+                "buffer_sampled": ring.sampled,
+                "buffer_evicted": ring.evicted,
+                "buffer_evicted_unused": ring.evicted_unused,
+                "buffer_reuse": ring.reuse,
+            }
+            if self.buffer_metrics is not None:
+                self.buffer_metrics.observe_stats(ring)
         except (redis.ConnectionError, redis.TimeoutError, ConnectionError):
             counters = {}
         record = {

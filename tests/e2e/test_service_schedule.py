@@ -3,9 +3,10 @@ as processes, the demo's addition task):
 
 - GRPO through the service uses every trajectory exactly once and never a partial group, on 2
   learner ranks (each rank gets whole groups);
-- ReVal with K = 2 (``buffer.samples_per_insert`` left unset: it follows from the schedule)
-  reuses each trajectory twice at steady state, as ``reval train`` does: the limiter holds the
-  learner back when it is faster, ``buffer.generate_ahead`` holds the workers back when they are.
+- ReVal with K = 2 on the defaults (``buffer.samples_per_insert`` and ``buffer.generate_ahead``
+  left unset: both follow from the schedule) reuses each trajectory twice at steady state, as
+  ``reval train`` does, and evicts next to none unused: the limiter holds the learner back when
+  it is faster, the workers' pacing holds them back when they are.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def test_reval_service_reuses_each_trajectory_k_times(tmp_path, redis_url, redis
         "learner.updates_per_round=2", "learner.first_update_fresh=true",
         "rollout.prompts_per_round=4", "rollout.worker_prompts=1",
         "learner.batch_size=16", "learner.micro_batch_size=16", "sync.every=4",
-        "learner.max_steps=300", "buffer.generate_ahead=32",
+        "learner.max_steps=300", "buffer.capacity=128",
     )  # fmt: skip
     learner = start("learner", sets, "--nproc", "1")
     worker = start("rollout", sets, "--worker-id", "w0")
@@ -92,6 +93,7 @@ def test_reval_service_reuses_each_trajectory_k_times(tmp_path, redis_url, redis
         worker.communicate(timeout=120)
     config = json.loads((tmp_path / "k2" / "config.json").read_text())
     assert config["buffer"]["samples_per_insert"] == 2.0  # K * B / (prompts * n)
+    assert config["buffer"]["generate_ahead"] is None  # the default: one learner round
     rows = read_jsonl(tmp_path / "k2" / "learner.jsonl")
     fresh = [r for r in rows if r["use_count_mean"] == 1.0]
     assert len(fresh) >= len(rows) // 2 - 1  # every other update takes the newest batch
@@ -107,3 +109,7 @@ def test_reval_service_reuses_each_trajectory_k_times(tmp_path, redis_url, redis
         last["buffer_inserted"] - first["buffer_inserted"]
     )
     assert 1.8 <= ratio <= 2.2, (ratio, caught, first, last)
+    # Every trajectory was trained on before it left the ring (the workers never ran ahead).
+    assert last["buffer_evicted"] > 4 * 128, last
+    assert last["buffer_evicted_unused"] < 0.05 * last["buffer_evicted"], last
+    assert abs(last["buffer_reuse"] - 2.0) <= 0.2, last

@@ -275,7 +275,8 @@ def test_worker_waits_for_the_learners_weights(tmp_path, redis_url, redis_prefix
 
 def test_worker_process_serves_health_and_readiness(tmp_path, redis_url, redis_prefix):
     """/readyz is 503 until the learner's first weights are loaded, then 200; /healthz 200;
-    /metrics carries the worker's metrics; a pause over the run's control stops generation."""
+    /metrics carries the worker's metrics; a pause over the run's control stops generation and
+    the worker's registered status says ``paused`` until the run resumes."""
     import socket
     import urllib.error
     import urllib.request
@@ -317,6 +318,14 @@ def test_worker_process_serves_health_and_readiness(tmp_path, redis_url, redis_p
         held = len(ring)
         time.sleep(2)
         assert len(ring) == held  # paused: nothing generated
+        # The heartbeats (every 0.5 s) keep saying so, and a resume is seen the same way.
+        client = redis.Redis.from_url(redis_url)
+        key = worker_key(redis_prefix, "w", "wh")
+        assert json.loads(client.get(key))["status"] == "paused"
+        control.set_phase("running")
+        while json.loads(client.get(key))["status"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         control.set_phase("stopping")  # the run stops: the worker drains and exits
         p.communicate(timeout=60)
         assert p.returncode == 0

@@ -466,3 +466,25 @@ def test_take_respects_max_staleness(make_buffer):
     assert buf.take(4, whole_groups=True).traj_ids == ["t7", "t6", "t5", "t4"]
     with pytest.raises(SampleTimeout):
         buf.take(4, whole_groups=True)
+
+
+def test_evictions_of_never_used_trajectories_are_counted(make_buffer):
+    """``evicted_unused`` counts the evicted trajectories no sample or take handed out (the
+    ring wrapping included), and a batch longer than M counts its own records it evicts."""
+    metrics = BufferMetrics()
+    buf = make_buffer(6, metrics=metrics)
+    buf.insert([make_traj(i) for i in range(6)])
+    used = {t.traj_id for t in buf.take(2)} | {t.traj_id for t in buf.sample(3)}
+    buf.insert([make_traj(i) for i in range(6, 10)])  # evicts t0..t3
+    unused = sum(f"t{i}" not in used for i in range(4))
+    s = buf.stats()
+    assert (s.evicted, s.evicted_unused) == (4, unused)
+    assert metrics.evicted_unused._value.get() == unused
+    used |= {t.traj_id for t in buf.sample(6)}  # every held one, across the wrap
+    buf.insert([make_traj(i) for i in range(10, 16)])  # evicts t4..t9: all used
+    assert buf.stats().evicted_unused == unused
+    buf.insert([make_traj(i) for i in range(16, 26)])  # t10..t15 unused, t16..t19 its own
+    s = buf.stats()
+    assert (s.evicted, s.evicted_unused) == (20, unused + 10)
+    assert s.unused_share == pytest.approx((unused + 10) / 20)
+    assert s.reuse == pytest.approx(s.sampled / 26)
