@@ -8,6 +8,7 @@ This module imports no torch so the control plane and the buffer stay light.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -547,6 +548,10 @@ class RunConfig(_Section):
 # ---------------------------------------------------------------------------------------------
 # Loading
 
+Origins = dict[str, str]
+"""Where each dotted key's value came from (``learner.lr`` -> ``configs/x.toml``, ``the
+environment variable REVAL__LEARNER__LR`` or ``--set``), for the error messages."""
+
 
 def _parse_value(text: str) -> Any:
     """A CLI/env override value: JSON when it parses (numbers, booleans, null, lists), else str."""
@@ -556,39 +561,56 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_path(tree: dict[str, Any], dotted: str, value: Any, origin: str = "--set") -> None:
     keys = [k for k in dotted.split(".") if k]
     if not keys:
-        raise ConfigError(f"empty override key {dotted!r}")
+        raise ConfigError(f"empty override key {dotted!r} (from {origin})")
     node = tree
     for key in keys[:-1]:
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+            raise ConfigError(f"override {dotted!r} (from {origin}): {key!r} is not a section")
         node = child
     node[keys[-1]] = value
 
 
-def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """``["learner.lr=1e-3", ...]`` -> a nested dict of overrides."""
-    tree: dict[str, Any] = {}
+def _set_items(items: Iterable[str]) -> list[tuple[str, Any, str]]:
+    """``--set`` items as (dotted key, value, origin)."""
+    out = []
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} is not of the form section.field=value")
-        _set_path(tree, key.strip(), _parse_value(value.strip()))
+        out.append((key.strip(), _parse_value(value.strip()), "--set"))
+    return out
+
+
+def _env_items(environ: Mapping[str, str] | None) -> list[tuple[str, Any, str]]:
+    """``REVAL__SECTION__FIELD=value`` variables as (dotted key, value, origin)."""
+    environ = os.environ if environ is None else environ
+    return [
+        (name[len(ENV_PREFIX) :].lower().replace("__", "."), _parse_value(value),
+         f"the environment variable {name}")
+        for name, value in environ.items()
+        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX)
+    ]  # fmt: skip
+
+
+def _tree(items: Iterable[tuple[str, Any, str]]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for dotted, value, origin in items:
+        _set_path(tree, dotted, value, origin)
     return tree
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``["learner.lr=1e-3", ...]`` -> a nested dict of overrides."""
+    return _tree(_set_items(items))
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Overrides from ``REVAL__SECTION__FIELD=value`` environment variables."""
-    environ = os.environ if environ is None else environ
-    tree: dict[str, Any] = {}
-    for name, value in environ.items():
-        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
-            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
-            _set_path(tree, dotted, _parse_value(value))
-    return tree
+    return _tree(_env_items(environ))
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -601,20 +623,124 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "<config>"
-        lines.append(f"  {where}: {e['msg']}")
-    return "invalid config:\n" + "\n".join(lines)
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterable[str]:
+    """The dotted keys of a nested mapping's values (an empty section is a leaf)."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
 
 
-def build_config(data: Mapping[str, Any]) -> RunConfig:
-    """Validate a nested mapping into a RunConfig, raising ConfigError naming the fields."""
+def _section(loc: tuple[str, ...]) -> type[BaseModel] | None:
+    """The section model at ``loc`` (``()``: RunConfig), None when ``loc`` is no section."""
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        kind = field.annotation if field is not None else None
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+            return None
+        model = kind
+    return model
+
+
+def _all_keys(loc: tuple[str, ...] = ()) -> list[str]:
+    """Every dotted key of the tree below section ``loc``, sections included."""
+    section = _section(loc)
+    if section is None:
+        return []
+    return [k for f in section.model_fields for k in (".".join((*loc, f)), *_all_keys((*loc, f)))]
+
+
+def _initials(name: str) -> str | None:
+    return "".join(w[0] for w in name.split("_") if w) if "_" in name else None
+
+
+def did_you_mean(dotted: str) -> list[str]:
+    """The valid keys closest to an unknown one: in its section, a field whose initials it is
+    (``learning_rate`` -> ``lr``) or a close spelling (difflib); else a field of that name or
+    close to it anywhere in the tree (``learner.beta`` -> ``algo.beta``). At most two."""
+    *parent, name = dotted.split(".")
+    section = _section(tuple(parent))
+    fields = list(section.model_fields) if section is not None else []
+    near = [f for f in fields if name in (f, _initials(f)) or f == _initials(name)]
+    near += difflib.get_close_matches(name, fields, n=2, cutoff=0.6)
+    found = [".".join((*parent, f)) for f in dict.fromkeys(near)]
+    if not found:
+        keys = _all_keys()
+        found = [k for k in keys if k.rsplit(".", 1)[-1] == name]
+        found = found or difflib.get_close_matches(dotted, keys, n=2, cutoff=0.75)
+    return found[:2]
+
+
+def _origin(dotted: str, origins: Mapping[str, str]) -> str | None:
+    """Where ``dotted`` (or the key above it, or the keys below it) came from."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in origins:
+            return origins[".".join(parts[:n])]
+    below = dict.fromkeys(o for k, o in origins.items() if k.startswith(dotted + "."))
+    return ", ".join(below) or None
+
+
+def _shown(value: Any) -> str:
+    text = redact_url(value) if isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _error_line(error: Any, origins: Mapping[str, str]) -> str:
+    """One self-contained line for one pydantic error: the key, what is wrong, where it came
+    from and, for an unknown key, the closest valid ones."""
+    dotted = ".".join(str(p) for p in error["loc"])
+    why = str(error["msg"]).removeprefix("Value error, ")
+    if not dotted:
+        return why  # a rule across sections: the message names the fields
+    origin = _origin(dotted, origins)
+    if error["type"] == "extra_forbidden":
+        line = f"{dotted}: unknown key" + (f" (from {origin})" if origin else "")
+        hints = did_you_mean(dotted)
+        return line + (f"; did you mean {' or '.join(hints)}?" if hints else "")
+    if origin is None:
+        return f"{dotted}: {why}"
+    if isinstance(error.get("input"), Mapping):
+        return f"{dotted}: {why} (from {origin})"
+    return f"{dotted}: {why} (got {_shown(error.get('input'))} from {origin})"
+
+
+def build_config(data: Mapping[str, Any], origins: Mapping[str, str] | None = None) -> RunConfig:
+    """Validate a nested mapping into a RunConfig, raising ConfigError naming the fields: one
+    line per bad field, with where its value came from when ``origins`` says."""
     try:
         return RunConfig.model_validate(dict(data))
     except ValidationError as err:
-        raise ConfigError(_format_errors(err)) from None
+        lines = [_error_line(e, origins or {}) for e in err.errors()]
+        raise ConfigError("\n".join(dict.fromkeys(lines))) from None
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        near = difflib.get_close_matches(path.name, _names(path.parent), n=1, cutoff=0.6)
+        hint = f" (did you mean {str(path.parent / near[0])!r}?)" if near else ""
+        raise ConfigError(f"config file not found: {path}{hint}")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a config is a JSON object")
+        return data
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+
+
+def _names(directory: Path) -> list[str]:
+    try:
+        return [p.name for p in directory.iterdir()]
+    except OSError:
+        return []
 
 
 def load_config(
@@ -623,26 +749,17 @@ def load_config(
     environ: Mapping[str, str] | None = None,
 ) -> RunConfig:
     """Load TOML ``path`` (default: the demo preset; a ``.json`` file is read as JSON, as the
-    REST API writes a run's config), then env overrides, then ``--set`` ones."""
+    REST API writes a run's config), then env overrides, then ``--set`` ones. A bad key or value
+    is a ConfigError saying where it came from (the file, the variable, ``--set``)."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    data: dict[str, Any]
-    if path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: a config is a JSON object")
-    else:
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    data = _merge(data, env_overrides(environ))
-    data = _merge(data, parse_overrides(overrides))
-    return build_config(data)
+    data = _read_file(path)
+    origins: Origins = dict.fromkeys(_leaves(data), str(path))
+    for items in (_env_items(environ), _set_items(overrides)):
+        for dotted, value, origin in items:
+            leaf = _tree([(dotted, value, origin)])
+            origins.update(dict.fromkeys(_leaves(leaf), origin))
+        data = _merge(data, _tree(items))
+    return build_config(data, origins)
 
 
 REDACTED = "***"

@@ -40,6 +40,7 @@ from transformers import (
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from reval.config import ModelConfig, TinyModelConfig
+from reval.paths import looks_local, missing_hint
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # Every printable ASCII character is one token; enough for the built-in tasks and for boxed math.
@@ -206,21 +207,39 @@ def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def model_source(name_or_path: str) -> str:
-    """``model.name_or_path`` checked before transformers sees it: a local directory, or what
-    can only be a hub id (``NAME`` or ``ORG/NAME``). A path that is not a directory (absolute,
-    relative with ``.``, under ``~``, or with more than one ``/``) is a ValueError naming it;
-    transformers would report it as a malformed repo id."""
+class ModelNotFound(FileNotFoundError, ValueError):
+    """A model path that cannot be loaded, in one line naming the field (``field``) and the path
+    (``path``) and what to do. A FileNotFoundError, and a ValueError as the invalid config value
+    it is (callers that catch either report it)."""
+
+    def __init__(self, message: str, path: str = "", field: str = "") -> None:
+        super().__init__(message)
+        self.path, self.field = path, field
+
+
+def model_source(name_or_path: str, field: str = "model.name_or_path") -> str:
+    """``name_or_path`` checked before transformers sees it: a local checkpoint directory, or a
+    hub id (``NAME`` or ``ORG/NAME``: ``reval.paths.looks_local``). A local-looking path that is
+    not a checkpoint is a ``ModelNotFound`` at once (from_pretrained would spend a minute
+    retrying the hub, then report a malformed or unknown repo id)."""
+    if not looks_local(name_or_path):
+        return name_or_path
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    if (path / "config.json").is_file():
         return str(path)
-    if name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or path.exists():
-        what = "is not a directory" if path.exists() else "does not exist"
-        raise ValueError(
-            f"model.name_or_path: the local path {str(path)!r} {what} (a checkpoint directory "
-            "with config.json, or a hub id ORG/NAME)"
-        )
-    return name_or_path
+    if path.is_dir():
+        why = "is not a checkpoint (no config.json)"
+    elif path.exists():
+        why = "is not a directory"
+    else:
+        why = f"does not exist{missing_hint(path)}"
+    raise ModelNotFound(
+        f"{field}: the local checkpoint directory {name_or_path!r} {why}; make it first "
+        f"(`reval make-model {name_or_path} --data TRAIN.jsonl`, docs/demo.md, or a run's "
+        "final/ export) or name a hub id ORG/NAME",
+        name_or_path,
+        field,
+    )
 
 
 def compute_dtype(cfg: ModelConfig) -> torch.dtype:
@@ -251,10 +270,18 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
         )
     else:
         source = model_source(cfg.name_or_path)
-        tokenizer = _load_tokenizer(source)
+        try:
+            tokenizer = _load_tokenizer(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        except OSError as err:  # a hub id: not found, gated, or no network (one line, not a trace)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ModelNotFound(
+                f"model.name_or_path: {source!r} could not be loaded: {first}",
+                source,
+                "model.name_or_path",
+            ) from err
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
     model.to(device)

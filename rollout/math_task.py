@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from reval.config import RolloutConfig, TaskConfig
+from reval.paths import looks_local, missing_hint
 from rollout.task_types import Prompt, Verifier
 from rollout.verify import MathVerify, PooledVerifier
 
@@ -48,10 +49,44 @@ USER_SUFFIX = " Let's think step by step and output the final answer within \\bo
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-def read_rows(source: str, split: str = "train") -> Iterable[Mapping[str, Any]]:
-    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file or a ``datasets`` name."""
-    path = Path(source)
-    if path.suffix == ".jsonl" and path.is_file():
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DatasetNotFound(FileNotFoundError, ValueError):
+    """A local dataset file that does not exist, in one line naming the field and the path (a
+    FileNotFoundError, and a ValueError as the invalid config value it is)."""
+
+
+def read_rows(
+    source: str, split: str = "train", field: str = "task.dataset"
+) -> Iterable[Mapping[str, Any]]:
+    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file or a ``datasets`` hub name.
+    A local-looking ``source`` (``reval.paths.looks_local``, or one with such a suffix) must be
+    such a file: else a ``DatasetNotFound`` or ValueError naming ``field`` now, not when the rows
+    are read. Only a hub-looking name goes to ``datasets``."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix in LOCAL_SUFFIXES:
+        return _read_file(path)
+    if path.is_file():
+        raise ValueError(f"{field}: {source!r} is not a .jsonl, .json or .parquet file")
+    if not path.exists() and (looks_local(source) or path.suffix in LOCAL_SUFFIXES):
+        raise DatasetNotFound(
+            f"{field}: the file {source!r} does not exist{missing_hint(path)}; a local "
+            ".jsonl/.json/.parquet file was expected (`reval make-data DIR` writes one)"
+        )
+    try:
+        import datasets  # optional dependency for hub datasets (and local dataset directories)
+    except ImportError:
+        raise ValueError(
+            f"{field}: {source!r} is not a local .jsonl/.json/.parquet file; loading it as a "
+            "hub dataset needs the `datasets` package (pip install datasets)"
+        ) from None
+    rows: Iterable[Mapping[str, Any]] = datasets.load_dataset(source, split=split)
+    return rows
+
+
+def _read_file(path: Path) -> Iterator[Mapping[str, Any]]:
+    if path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as fh:
             for n, line in enumerate(fh, 1):
                 if not line.strip():
@@ -59,26 +94,15 @@ def read_rows(source: str, split: str = "train") -> Iterable[Mapping[str, Any]]:
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError as err:
-                    log.warning("%s:%d: skipped, not JSON (%s)", source, n, err)
+                    log.warning("%s:%d: skipped, not JSON (%s)", path, n, err)
                     yield {}
-        return
-    if path.suffix == ".json" and path.is_file():
+    elif path.suffix == ".json":
         data = json.loads(path.read_text(encoding="utf-8"))
         yield from data if isinstance(data, list) else []
-        return
-    if path.suffix == ".parquet" and path.is_file():
+    else:
         import pyarrow.parquet as pq  # optional; installed with `datasets`
 
         yield from pq.read_table(path).to_pylist()
-        return
-    try:
-        import datasets  # optional dependency for hub datasets
-    except ImportError as err:
-        raise RuntimeError(
-            f"task.dataset={source!r} is not a local .jsonl/.json/.parquet file and the "
-            "`datasets` package is not installed to load it by name"
-        ) from err
-    yield from datasets.load_dataset(source, split=split)
 
 
 def format_prompt(problem: str, template: str, tokenizer: Any | None) -> str:
@@ -155,16 +179,18 @@ class MathTask:
         tokenizer: Any | None = None,
         rollout: RolloutConfig | None = None,
         registry: Any | None = None,
+        field: str = "task.dataset",
     ) -> MathTask:
         """The configured dataset, graded by math-verify in a pool of
         ``rollout.verifier_workers`` processes; the grading and skipped-row metrics on
-        ``registry``."""
+        ``registry``. ``field`` names ``cfg.dataset`` in errors (``eval.dataset`` for a held-out
+        copy)."""
         if not cfg.dataset:
-            raise ValueError("task.kind=math needs task.dataset (a file or a dataset name)")
+            raise ValueError(f"task.kind=math needs {field} (a file or a dataset name)")
         # Without a tokenizer, characters bound tokens from above (a token is at most ~8 chars
         # for the tokenizers in use); with one, the templated prompt's tokens are counted.
         task = cls.from_rows(
-            read_rows(cfg.dataset, cfg.split),
+            read_rows(cfg.dataset, cfg.split, field),
             cfg.template,
             tokenizer,
             cfg.max_prompt_tokens * 8 if tokenizer is None else None,

@@ -1,0 +1,158 @@
+"""Issue 25: a local-looking model or dataset path that does not exist fails at once, in one line
+naming the field, the path and what to do; it never reaches the hub (a minute of retries, then a
+traceback) and never asks for the ``datasets`` package. Hub names still go to the hub."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from reval.config import ModelConfig, TaskConfig, load_config
+from reval.paths import looks_local, nearest_existing
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch) -> Path:
+    """A working directory as after ``reval make-data runs/wordmath-data`` (no model yet)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "wordmath-data").mkdir(parents=True)
+    (tmp_path / "runs" / "wordmath-data" / "train.jsonl").write_text(
+        '{"problem": "1+1", "answer": "2"}\n'
+    )
+    return tmp_path
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Any from_pretrained call fails the test (the hub would be reached)."""
+    import reval.policy
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"from_pretrained reached with {args}")
+
+    for cls in (reval.policy.AutoTokenizer, reval.policy.AutoModelForCausalLM,
+                reval.policy.PreTrainedTokenizerFast):  # fmt: skip
+        monkeypatch.setattr(cls, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["Qwen/Qwen2.5-Math-7B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "gpt2",
+     "agentica-org/DeepScaleR-Preview-Dataset"],
+)  # fmt: skip
+def test_hub_names_are_not_local(project, name):
+    from reval.policy import model_source
+
+    assert not looks_local(name)
+    assert model_source(name) == name
+
+
+@pytest.mark.parametrize(
+    "name", ["runs/wordmath-model", "runs/x/y", "./m", "../m", "/abs/m", "~/m", "m/", "a\\b"]
+)
+def test_local_looking_names(project, name):
+    assert looks_local(name)  # ``runs/`` is a directory here: runs/NAME is no hub id
+
+
+def test_the_cpu_math_model_before_make_model_fails_at_once_in_one_line(project, no_hub, capfd):
+    from reval.policy import ModelNotFound, load_policy
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "cpu_math.toml", environ={})
+    t0 = time.perf_counter()
+    with pytest.raises(ModelNotFound) as err:
+        load_policy(cfg.model)
+    assert time.perf_counter() - t0 < 5
+    message = str(err.value)
+    assert message.startswith(
+        "model.name_or_path: the local checkpoint directory 'runs/wordmath-model' does not exist"
+    )
+    assert "reval make-model runs/wordmath-model" in message and "\n" not in message
+    assert isinstance(err.value, FileNotFoundError) and isinstance(err.value, ValueError)
+    assert (err.value.path, err.value.field) == ("runs/wordmath-model", "model.name_or_path")
+    out, errs = capfd.readouterr()
+    assert out == errs == ""  # no retry logs
+
+
+def test_reval_eval_of_a_missing_checkpoint_fails_at_once(project, no_hub):
+    from reval.policy import ModelNotFound
+    from services.evaluate import run_eval
+
+    cfg = load_config(environ={})
+    cfg.model.name_or_path = "runs/no-such-model"  # what ``reval eval --checkpoint`` sets
+    t0 = time.perf_counter()
+    with pytest.raises(ModelNotFound, match="'runs/no-such-model' does not exist"):
+        run_eval(cfg, ["wordmath"], None, project / "eval.json", progress=False)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_mistyped_model_path_names_the_closest_and_a_non_checkpoint_says_so(project, no_hub):
+    from reval.policy import ModelNotFound, model_source
+
+    (project / "runs" / "wordmath-model").mkdir()
+    with pytest.raises(ModelNotFound, match=r"is not a checkpoint \(no config\.json\)"):
+        model_source("runs/wordmath-model")
+    (project / "runs" / "wordmath-model" / "config.json").write_text("{}")
+    assert model_source("runs/wordmath-model") == "runs/wordmath-model"
+    with pytest.raises(ModelNotFound, match=r"did you mean 'runs/wordmath-model'\?"):
+        model_source("runs/wordmath-modle")
+    with pytest.raises(ModelNotFound, match=r"^--checkpoint: .* is not a directory"):
+        model_source("runs/wordmath-data/train.jsonl", field="--checkpoint")
+
+
+def test_a_mistyped_dataset_says_the_file_does_not_exist(project, monkeypatch):
+    from rollout.math_task import DatasetNotFound, MathTask
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: not what is reported
+    cfg = TaskConfig(kind="math", dataset="runs/wordmath-dat/train.jsonl")
+    with pytest.raises(DatasetNotFound) as err:
+        MathTask.from_config(cfg)
+    assert str(err.value) == (
+        "task.dataset: the file 'runs/wordmath-dat/train.jsonl' does not exist (did you mean "
+        "'runs/wordmath-data/train.jsonl'?); a local .jsonl/.json/.parquet file was expected "
+        "(`reval make-data DIR` writes one)"
+    )
+    held = cfg.model_copy(update={"dataset": "held/out.jsonl"})  # no close sibling
+    with pytest.raises(DatasetNotFound, match=r"^eval\.dataset: the file 'held/out\.jsonl' does"):
+        MathTask.from_config(held, field="eval.dataset")
+    with pytest.raises(DatasetNotFound, match=r"'test\.jsonl' does not exist"):
+        MathTask.from_config(cfg.model_copy(update={"dataset": "test.jsonl"}))
+
+
+def test_only_a_hub_name_goes_to_datasets(project, monkeypatch):
+    from rollout.math_task import read_rows
+
+    asked = []
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda name, split: asked.append((name, split)) or [{"problem": "p"}]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    assert list(read_rows("agentica-org/DeepScaleR-Preview-Dataset")) == [{"problem": "p"}]
+    assert list(read_rows("runs/wordmath-data/train.jsonl")) == [{"problem": "1+1", "answer": "2"}]
+    with pytest.raises(FileNotFoundError, match=r"task\.dataset"):
+        read_rows("runs/wordmath-data/tran.jsonl")
+    (project / "rows.csv").write_text("problem,answer\n")
+    with pytest.raises(ValueError, match=r"task\.dataset: 'rows\.csv' is not a \.jsonl"):
+        read_rows("rows.csv")
+    assert asked == [("agentica-org/DeepScaleR-Preview-Dataset", "train")]
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ValueError, match=r"needs the `datasets` package"):
+        read_rows("org/name")
+
+
+def test_nearest_existing(project):
+    assert nearest_existing("runs/wordmath-dat/train.jsonl") == Path(
+        "runs/wordmath-data/train.jsonl"
+    )
+    assert nearest_existing(project / "rnus" / "wordmath-data") == project / "runs" / (
+        "wordmath-data"
+    )
+    assert nearest_existing("runs/wordmath-data/train.jsonl") is None  # it exists
+    assert nearest_existing("elsewhere/x") is None
+
+
+def test_model_config_with_a_missing_model_is_still_valid_config():
+    """The check is at load time (the config may name a model made later)."""
+    assert ModelConfig(name_or_path="runs/later").name_or_path == "runs/later"
