@@ -1,15 +1,39 @@
-"""Local paths versus hub names, and the existing path nearest a mistyped one (no torch).
+"""Local paths versus hub names, checked before any heavy import (no torch).
 
-``model.name_or_path``, ``task.dataset`` and ``reval eval --checkpoint`` take either a local path
-or a hub name. A name that can only be a local path is checked here, before ``from_pretrained``
-or ``datasets`` sees it: a missing one is a one-line error at once, not a minute of hub retries.
+``model.name_or_path``, ``task.dataset``, ``eval.dataset`` and ``reval eval --checkpoint`` take a
+local path or a hub name. A name that can only be a local path (``looks_local``) is checked here:
+a missing one is one line at once (``ModelNotFound``, ``DatasetNotFound``) naming the field, the
+path, the nearest existing one and what to do, never a minute of hub retries and a traceback.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Callable
 from pathlib import Path, PureWindowsPath
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reval.config import RunConfig
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""The local dataset files read without the ``datasets`` package."""
+
+
+class ModelNotFound(FileNotFoundError, ValueError):
+    """A model path that cannot be loaded, in one line naming the field (``field``), the path
+    (``path``) and what to do. A FileNotFoundError, and a ValueError as the invalid config value
+    it is (callers that catch either report it)."""
+
+    def __init__(self, message: str, path: str = "", field: str = "") -> None:
+        super().__init__(message)
+        self.path, self.field = path, field
+
+
+class DatasetNotFound(FileNotFoundError, ValueError):
+    """A local dataset file that does not exist, in one line naming the field and the path (a
+    FileNotFoundError, and a ValueError as the invalid config value it is)."""
 
 
 def looks_local(name: str) -> bool:
@@ -48,7 +72,69 @@ def nearest_existing(path: str | Path) -> Path | None:
     return here if changed and here.exists() else None
 
 
-def missing_hint(path: str | Path) -> str:
-    """`` (did you mean 'X'?)`` for the nearest existing path, or nothing."""
+def _hint(path: Path, fits: Callable[[Path], bool]) -> str:
     near = nearest_existing(path)
-    return f" (did you mean {str(near)!r}?)" if near is not None else ""
+    return f" (did you mean {str(near)!r}?)" if near is not None and fits(near) else ""
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def check_model(name_or_path: str, field: str = "model.name_or_path") -> str:
+    """What to hand ``from_pretrained``: a local checkpoint directory (with ``config.json``) or
+    a hub id. A local-looking path that is no checkpoint is a ``ModelNotFound``."""
+    if not looks_local(name_or_path):
+        return name_or_path
+    path = Path(name_or_path).expanduser()
+    if _is_checkpoint(path):
+        return str(path)
+    if path.is_dir():
+        why = "is not a checkpoint (no config.json)"
+    elif path.exists():
+        why = "is not a directory"
+    else:
+        why = f"does not exist{_hint(path, _is_checkpoint)}"
+    raise ModelNotFound(
+        f"{field}: the local checkpoint directory {name_or_path!r} {why}; make it first "
+        f"(`reval make-model {name_or_path} --data TRAIN.jsonl`, docs/demo.md, or a run's "
+        "final/ export) or name a hub id ORG/NAME",
+        name_or_path,
+        field,
+    )
+
+
+def _is_data_file(path: Path) -> bool:
+    return path.is_file() and path.suffix in DATA_SUFFIXES
+
+
+def check_dataset(source: str, field: str = "task.dataset") -> Path | None:
+    """The local ``.jsonl``/``.json``/``.parquet`` file ``source`` names, or None for what the
+    ``datasets`` package reads (a hub name, a local dataset directory). A local-looking source
+    (``looks_local``, or one with such a suffix) that does not exist is a ``DatasetNotFound``;
+    a file of another kind a ValueError."""
+    path = Path(source).expanduser()
+    if _is_data_file(path):
+        return path
+    if path.is_file():
+        raise ValueError(f"{field}: {source!r} is not a .jsonl, .json or .parquet file")
+    if path.is_dir() or not (looks_local(source) or path.suffix in DATA_SUFFIXES):
+        return None
+    raise DatasetNotFound(
+        f"{field}: the file {source!r} does not exist{_hint(path, _is_data_file)}; a local "
+        ".jsonl/.json/.parquet file was expected (`reval make-data DIR` writes one)"
+    )
+
+
+def check_run_paths(cfg: RunConfig, model_field: str = "model.name_or_path") -> None:
+    """Every local path a run reads, checked before torch is imported: ``model.name_or_path``
+    (named ``model_field``: ``--checkpoint`` for ``reval eval``), and ``task.dataset`` and
+    ``eval.dataset`` of a math task. Raises ``ModelNotFound``, ``DatasetNotFound`` or a
+    ValueError, each one line naming the field."""
+    if cfg.model.name_or_path is not None:
+        check_model(cfg.model.name_or_path, model_field)
+    if cfg.task.kind == "math":
+        for field, source in (("task.dataset", cfg.task.dataset), ("eval.dataset",
+                                                                    cfg.eval.dataset)):  # fmt: skip
+            if source is not None:
+                check_dataset(source, field)

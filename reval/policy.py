@@ -40,7 +40,7 @@ from transformers import (
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from reval.config import ModelConfig, TinyModelConfig
-from reval.paths import looks_local, missing_hint
+from reval.paths import ModelNotFound, check_model
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # Every printable ASCII character is one token; enough for the built-in tasks and for boxed math.
@@ -207,39 +207,12 @@ def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-class ModelNotFound(FileNotFoundError, ValueError):
-    """A model path that cannot be loaded, in one line naming the field (``field``) and the path
-    (``path``) and what to do. A FileNotFoundError, and a ValueError as the invalid config value
-    it is (callers that catch either report it)."""
-
-    def __init__(self, message: str, path: str = "", field: str = "") -> None:
-        super().__init__(message)
-        self.path, self.field = path, field
-
-
 def model_source(name_or_path: str, field: str = "model.name_or_path") -> str:
-    """``name_or_path`` checked before transformers sees it: a local checkpoint directory, or a
-    hub id (``NAME`` or ``ORG/NAME``: ``reval.paths.looks_local``). A local-looking path that is
-    not a checkpoint is a ``ModelNotFound`` at once (from_pretrained would spend a minute
-    retrying the hub, then report a malformed or unknown repo id)."""
-    if not looks_local(name_or_path):
-        return name_or_path
-    path = Path(name_or_path).expanduser()
-    if (path / "config.json").is_file():
-        return str(path)
-    if path.is_dir():
-        why = "is not a checkpoint (no config.json)"
-    elif path.exists():
-        why = "is not a directory"
-    else:
-        why = f"does not exist{missing_hint(path)}"
-    raise ModelNotFound(
-        f"{field}: the local checkpoint directory {name_or_path!r} {why}; make it first "
-        f"(`reval make-model {name_or_path} --data TRAIN.jsonl`, docs/demo.md, or a run's "
-        "final/ export) or name a hub id ORG/NAME",
-        name_or_path,
-        field,
-    )
+    """``name_or_path`` checked before transformers sees it (``reval.paths.check_model``): a
+    local checkpoint directory, or a hub id. A local-looking path that is not a checkpoint is a
+    ``ModelNotFound`` at once (from_pretrained would spend a minute retrying the hub, then report
+    a malformed or unknown repo id)."""
+    return check_model(name_or_path, field)
 
 
 def compute_dtype(cfg: ModelConfig) -> torch.dtype:

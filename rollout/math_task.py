@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from reval.config import RolloutConfig, TaskConfig
-from reval.paths import looks_local, missing_hint
+from reval.paths import check_dataset
 from rollout.task_types import Prompt, Verifier
 from rollout.verify import MathVerify, PooledVerifier
 
@@ -49,31 +49,16 @@ USER_SUFFIX = " Let's think step by step and output the final answer within \\bo
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-class DatasetNotFound(FileNotFoundError, ValueError):
-    """A local dataset file that does not exist, in one line naming the field and the path (a
-    FileNotFoundError, and a ValueError as the invalid config value it is)."""
-
-
 def read_rows(
     source: str, split: str = "train", field: str = "task.dataset"
 ) -> Iterable[Mapping[str, Any]]:
-    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file or a ``datasets`` hub name.
-    A local-looking ``source`` (``reval.paths.looks_local``, or one with such a suffix) must be
-    such a file: else a ``DatasetNotFound`` or ValueError naming ``field`` now, not when the rows
-    are read. Only a hub-looking name goes to ``datasets``."""
-    path = Path(source).expanduser()
-    if path.is_file() and path.suffix in LOCAL_SUFFIXES:
+    """Rows from a local ``.jsonl``/``.json``/``.parquet`` file or a ``datasets`` hub name. A
+    local-looking ``source`` must be such a file (``reval.paths.check_dataset``): else a
+    ``DatasetNotFound`` or ValueError naming ``field`` now, not when the rows are read. Only a
+    hub-looking name (or a local dataset directory) goes to ``datasets``."""
+    path = check_dataset(source, field)
+    if path is not None:
         return _read_file(path)
-    if path.is_file():
-        raise ValueError(f"{field}: {source!r} is not a .jsonl, .json or .parquet file")
-    if not path.exists() and (looks_local(source) or path.suffix in LOCAL_SUFFIXES):
-        raise DatasetNotFound(
-            f"{field}: the file {source!r} does not exist{missing_hint(path)}; a local "
-            ".jsonl/.json/.parquet file was expected (`reval make-data DIR` writes one)"
-        )
     try:
         import datasets  # optional dependency for hub datasets (and local dataset directories)
     except ImportError:

@@ -206,7 +206,8 @@ def test_nproc_must_be_a_positive_integer(nproc, capsys):
 
 @pytest.mark.parametrize("path", ["/no/such/model", "./missing", "~/missing-model", "a/b/c"])
 def test_a_missing_local_model_path_is_named_not_a_hub_error(path):
-    from reval.policy import ModelNotFound, model_source
+    from reval.paths import ModelNotFound
+    from reval.policy import model_source
 
     with pytest.raises(ModelNotFound, match=r"model\.name_or_path: the local .* does not exist"):
         model_source(path)

@@ -4,6 +4,7 @@ traceback) and never asks for the ``datasets`` package. Hub names still go to th
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 import types
@@ -12,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from reval.config import ModelConfig, TaskConfig, load_config
-from reval.paths import looks_local, nearest_existing
+from reval.paths import (
+    DatasetNotFound,
+    ModelNotFound,
+    check_run_paths,
+    looks_local,
+    nearest_existing,
+)
+
+CPU_MATH = Path(__file__).resolve().parents[2] / "configs" / "cpu_math.toml"
 
 
 @pytest.fixture
@@ -20,9 +29,10 @@ def project(tmp_path: Path, monkeypatch) -> Path:
     """A working directory as after ``reval make-data runs/wordmath-data`` (no model yet)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "wordmath-data").mkdir(parents=True)
-    (tmp_path / "runs" / "wordmath-data" / "train.jsonl").write_text(
-        '{"problem": "1+1", "answer": "2"}\n'
-    )
+    for split in ("train", "test"):
+        (tmp_path / "runs" / "wordmath-data" / f"{split}.jsonl").write_text(
+            '{"problem": "1+1", "answer": "2"}\n'
+        )
     return tmp_path
 
 
@@ -59,9 +69,9 @@ def test_local_looking_names(project, name):
 
 
 def test_the_cpu_math_model_before_make_model_fails_at_once_in_one_line(project, no_hub, capfd):
-    from reval.policy import ModelNotFound, load_policy
+    from reval.policy import load_policy
 
-    cfg = load_config(Path(__file__).parents[2] / "configs" / "cpu_math.toml", environ={})
+    cfg = load_config(CPU_MATH, environ={})
     t0 = time.perf_counter()
     with pytest.raises(ModelNotFound) as err:
         load_policy(cfg.model)
@@ -71,6 +81,7 @@ def test_the_cpu_math_model_before_make_model_fails_at_once_in_one_line(project,
         "model.name_or_path: the local checkpoint directory 'runs/wordmath-model' does not exist"
     )
     assert "reval make-model runs/wordmath-model" in message and "\n" not in message
+    assert "did you mean" not in message  # runs/wordmath-data is no checkpoint
     assert isinstance(err.value, FileNotFoundError) and isinstance(err.value, ValueError)
     assert (err.value.path, err.value.field) == ("runs/wordmath-model", "model.name_or_path")
     out, errs = capfd.readouterr()
@@ -78,7 +89,6 @@ def test_the_cpu_math_model_before_make_model_fails_at_once_in_one_line(project,
 
 
 def test_reval_eval_of_a_missing_checkpoint_fails_at_once(project, no_hub):
-    from reval.policy import ModelNotFound
     from services.evaluate import run_eval
 
     cfg = load_config(environ={})
@@ -90,7 +100,7 @@ def test_reval_eval_of_a_missing_checkpoint_fails_at_once(project, no_hub):
 
 
 def test_a_mistyped_model_path_names_the_closest_and_a_non_checkpoint_says_so(project, no_hub):
-    from reval.policy import ModelNotFound, model_source
+    from reval.policy import model_source
 
     (project / "runs" / "wordmath-model").mkdir()
     with pytest.raises(ModelNotFound, match=r"is not a checkpoint \(no config\.json\)"):
@@ -103,8 +113,36 @@ def test_a_mistyped_model_path_names_the_closest_and_a_non_checkpoint_says_so(pr
         model_source("runs/wordmath-data/train.jsonl", field="--checkpoint")
 
 
+def test_the_run_paths_are_checked_without_torch(project):
+    """What the CLI can check right after loading the config, before the heavy imports."""
+    code = (
+        "import sys, time\n"
+        "from reval.config import load_config\n"
+        "from reval.paths import check_run_paths\n"
+        f"cfg = load_config({str(CPU_MATH)!r}, environ={{}})\n"
+        "t0 = time.perf_counter()\n"
+        "try:\n"
+        "    check_run_paths(cfg, '--checkpoint')\n"
+        "except FileNotFoundError as err:\n"
+        "    print(err, time.perf_counter() - t0 < 1, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("--checkpoint: the local checkpoint directory 'runs/wordmath")
+    assert out.stdout.rstrip().endswith("True False")  # fast, and torch never imported
+    cfg = load_config(CPU_MATH, environ={})
+    (project / "runs" / "wordmath-model").mkdir()
+    (project / "runs" / "wordmath-model" / "config.json").write_text("{}")
+    check_run_paths(cfg)  # the preset's paths once made
+    cfg.eval.dataset = "runs/wordmath-data/tset.jsonl"
+    with pytest.raises(
+        DatasetNotFound,
+        match=r"^eval\.dataset: .* \(did you mean 'runs/wordmath-data/test\.jsonl'\?\)",
+    ):
+        check_run_paths(cfg)
+
+
 def test_a_mistyped_dataset_says_the_file_does_not_exist(project, monkeypatch):
-    from rollout.math_task import DatasetNotFound, MathTask
+    from rollout.math_task import MathTask
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: not what is reported
     cfg = TaskConfig(kind="math", dataset="runs/wordmath-dat/train.jsonl")
