@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 """The local dataset files read without the ``datasets`` package."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A checkpoint directory's tokenizer: at least one of these (``save_pretrained`` writes them)."""
 
 
 class ModelNotFound(FileNotFoundError, ValueError):
@@ -82,14 +84,16 @@ def _is_checkpoint(path: Path) -> bool:
 
 
 def check_model(name_or_path: str, field: str = "model.name_or_path") -> str:
-    """What to hand ``from_pretrained``: a local checkpoint directory (with ``config.json``) or
-    a hub id. A local-looking path that is no checkpoint is a ``ModelNotFound``."""
+    """What to hand ``from_pretrained``: a local checkpoint directory (``config.json`` and a
+    tokenizer) or a hub id. A local-looking path that is no checkpoint is a ``ModelNotFound``."""
     if not looks_local(name_or_path):
         return name_or_path
     path = Path(name_or_path).expanduser()
-    if _is_checkpoint(path):
+    if _is_checkpoint(path) and any((path / f).is_file() for f in TOKENIZER_FILES):
         return str(path)
-    if path.is_dir():
+    if _is_checkpoint(path):
+        why = f"has no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+    elif path.is_dir():
         why = "is not a checkpoint (no config.json)"
     elif path.exists():
         why = "is not a directory"

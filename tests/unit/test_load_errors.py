@@ -106,6 +106,9 @@ def test_a_mistyped_model_path_names_the_closest_and_a_non_checkpoint_says_so(pr
     with pytest.raises(ModelNotFound, match=r"is not a checkpoint \(no config\.json\)"):
         model_source("runs/wordmath-model")
     (project / "runs" / "wordmath-model" / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFound, match=r"has no tokenizer \(none of tokenizer\.json, "):
+        model_source("runs/wordmath-model")  # (transformers: a ValueError of five lines)
+    (project / "runs" / "wordmath-model" / "tokenizer.json").write_text("{}")
     assert model_source("runs/wordmath-model") == "runs/wordmath-model"
     with pytest.raises(ModelNotFound, match=r"did you mean 'runs/wordmath-model'\?"):
         model_source("runs/wordmath-modle")
@@ -131,7 +134,8 @@ def test_the_run_paths_are_checked_without_torch(project):
     assert out.stdout.rstrip().endswith("True False")  # fast, and torch never imported
     cfg = load_config(CPU_MATH, environ={})
     (project / "runs" / "wordmath-model").mkdir()
-    (project / "runs" / "wordmath-model" / "config.json").write_text("{}")
+    for name in ("config.json", "tokenizer.json"):
+        (project / "runs" / "wordmath-model" / name).write_text("{}")
     check_run_paths(cfg)  # the preset's paths once made
     cfg.eval.dataset = "runs/wordmath-data/tset.jsonl"
     with pytest.raises(
