@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from reval.config import ConfigError, RunConfig, load_config
+from reval.config import ENV_PREFIX, ConfigError, RunConfig, load_config
 
 ALGO_OVERRIDES = {
     "reval": ["algo.name=reval"],
@@ -18,6 +19,45 @@ ALGO_OVERRIDES = {
     # GRPO is on-policy: one update per round on the fresh batch, no reuse.
     "grpo": ["algo.name=grpo", "learner.updates_per_round=1", "learner.first_update_fresh=true"],
 }
+
+
+LIBRARY_WARNINGS = (
+    # transformers 5.2x deprecates the ``past_key_values`` argument that the HF engine's
+    # incremental decoding passes (rollout/engines.py); older releases, which pyproject.toml
+    # allows, know no other name.
+    ("`past_key_values` is deprecated", FutureWarning),
+    # torch's DCP warns on every single-process save, even one that says ``no_dist=True``
+    # (learner/checkpoint.py: ``reval train`` checkpoints without a process group).
+    ("torch.distributed is disabled", UserWarning),
+)
+"""The library warnings of a normal run, each matched by the start of its message (no comma or
+colon: ``PYTHONWARNINGS`` syntax) and its category; any other warning still shows."""
+
+
+class _DropDeprecatedCache(logging.Filter):
+    """transformers' one-time log line about the same ``past_key_values`` argument."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("`past_key_values`/`cache_params` are")
+
+
+def quiet_libraries() -> None:
+    """No library noise on a normal run: the warnings of ``LIBRARY_WARNINGS`` (here and, through
+    ``PYTHONWARNINGS``, in the processes a run starts), transformers' log line about the same
+    argument, and matplotlib's font-cache notice under the CLI's INFO logging."""
+    import re
+    import warnings
+
+    entries = []
+    for message, category in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+        entries.append(f"ignore:{message}:{category.__name__}")
+    current = os.environ.get("PYTHONWARNINGS", "")
+    missing = [e for e in entries if e not in current.split(",")]
+    if missing:
+        os.environ["PYTHONWARNINGS"] = ",".join([current, *missing] if current else missing)
+    logging.getLogger("transformers.utils.generic").addFilter(_DropDeprecatedCache())
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
 def _positive_int(text: str) -> int:
@@ -48,8 +88,20 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run the whole ReVal loop in one process")
     _config_args(t, "override a field, e.g. --set learner.lr=1e-3 (repeatable)")
-    t.add_argument("--algo", choices=sorted(ALGO_OVERRIDES), help="loss (baselines: grpo, tbrm)")
+    t.add_argument(
+        "--algo",
+        choices=sorted(ALGO_OVERRIDES),
+        help="loss (baselines: grpo, tbrm, regression); one other than the config's algo.name "
+        "names the run NAME-ALGO (e.g. demo-grpo, its own run directory) unless --set name=... "
+        "is given",
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a run directory that holds another run (a different config); without "
+        "it such a directory is refused (the same config again reruns in place)",
+    )
     le = sub.add_parser("learner", help="run the learner service (FSDP2 ranks)")
     _config_args(le, "override a field (repeatable)")
     le.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -167,6 +219,130 @@ def has_checkpoint(cfg: RunConfig) -> bool:
     return (cfg.run_dir / "checkpoints" / "latest").is_file()
 
 
+def one_line(err: BaseException | str) -> str:
+    """An error's message on one line: ``invalid config:\n  a: x\n  b: y`` -> ``invalid
+    config: a: x; b: y``."""
+    parts = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not parts:
+        return type(err).__name__ if isinstance(err, BaseException) else ""
+    head, rest = parts[0], parts[1:]
+    if rest and head.endswith(":"):
+        return f"{head} {'; '.join(rest)}"
+    return "; ".join(parts)
+
+
+def fail(command: str, err: BaseException | str) -> int:
+    """``reval COMMAND: message`` on one line of stderr; exit status 2."""
+    print(f"reval {command}: {one_line(err)}", file=sys.stderr)
+    return 2
+
+
+SET_UP_ERRORS = (ConfigError, OSError, ValueError)
+"""What building a run raises for a bad config, path, model or dataset (FileNotFoundError is an
+OSError; ConfigError a ValueError): one line and exit status 2, never a traceback."""
+
+
+def check_paths(cfg: RunConfig, model_field: str = "model.name_or_path") -> None:
+    """The local paths the run reads (its model, a math task's datasets), checked before torch
+    is imported (``reval/paths.py``): a missing one raises at once instead of reaching the hub."""
+    from reval.paths import check_run_paths
+
+    check_run_paths(cfg, model_field)
+
+
+def _sets_name(overrides: Sequence[str]) -> bool:
+    """Whether the user named the run: ``--set name=...`` or ``REVAL__NAME``."""
+    env = f"{ENV_PREFIX}NAME"
+    return any(o.partition("=")[0].strip() == "name" for o in overrides) or env in os.environ
+
+
+def load_train_config(args: argparse.Namespace) -> RunConfig:
+    """``reval train``'s config. A baseline gets its own run: ``--algo X`` other than the
+    config's own ``algo.name`` names the run ``NAME-X`` (``demo-grpo``) unless the user named it
+    (``--set name=...``, ``REVAL__NAME``)."""
+    algo = args.algo
+    cfg = load_config(args.config, [*ALGO_OVERRIDES.get(algo, []), *args.overrides])
+    if algo is None or _sets_name(args.overrides):
+        return cfg
+    try:
+        own = load_config(args.config, args.overrides).algo.name
+    except ConfigError:  # (valid only with the algorithm's settings)
+        own = None
+    if own == algo:
+        return cfg
+    return load_config(args.config, [*ALGO_OVERRIDES[algo], *args.overrides,
+                                     f"name={cfg.name}-{algo}"])  # fmt: skip
+
+
+NOT_THE_RUN = {("output_dir",), ("metrics", "progress"), ("metrics", "prometheus_port"),
+               ("metrics", "addr")}  # fmt: skip
+"""Config fields that do not change what a run computes or writes (where it goes, how it is
+watched): two configs that differ only there are the same run."""
+
+
+def _differences(old: Any, new: Any, where: tuple[str, ...] = ()) -> list[str]:
+    """``section.field old -> new`` for each field both configs hold and that differs (a field
+    only one of them knows, from another version of reval, is not a difference)."""
+    if where in NOT_THE_RUN:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in [k for k in new if k in old]:
+            out += _differences(old[key], new[key], (*where, key))
+        return out
+    return [] if old == new else [f"{'.'.join(where)} {old!r} -> {new!r}"]
+
+
+def another_run(cfg: RunConfig) -> str | None:
+    """Why ``cfg.run_dir`` holds another run (None: it is empty, new, or this run's own): its
+    ``config.json`` is of a different resolved config, or it has checkpoints and no config."""
+    from reval.config import public_dump
+
+    saved = cfg.run_dir / "config.json"
+    if not saved.is_file():
+        return "it holds checkpoints and no config.json" if has_checkpoint(cfg) else None
+    try:
+        old = json.loads(saved.read_text())
+    except (OSError, ValueError):
+        return "its config.json cannot be read"
+    new = json.loads(json.dumps(public_dump(cfg)))
+    diffs = _differences(old, new)
+    if not diffs:
+        return None
+    more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
+    return f"its config.json is another run's ({', '.join(diffs[:3])}{more})"
+
+
+def _train(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """``reval train``: refuse another run's directory, check the model path, build the run
+    (one line for what is wrong), then train. Heavy imports (torch) only after the checks."""
+    if args.no_progress:
+        cfg.metrics.progress = False
+    problem = another_run(cfg)
+    if problem is not None and not args.overwrite:
+        return fail("train", f"{cfg.run_dir} holds another run: {problem}; give this one a new "
+                    f"name (--set name={cfg.name}-2) or replace it (--overwrite)")  # fmt: skip
+    try:
+        check_paths(cfg)
+        from services.train import prepare
+
+        prepared = prepare(cfg)
+    except SET_UP_ERRORS as err:
+        return fail("train", err)
+    if problem is not None:  # --overwrite: nothing of the other run stays
+        import shutil
+
+        shutil.rmtree(cfg.run_dir)
+    from services.progress import run_with_progress
+
+    result = run_with_progress(cfg, prepared)
+    print(
+        f"success rate {result.initial_success:.3f} -> {result.final_success:.3f}; "
+        f"run directory {result.run_dir} (metrics.jsonl, curve.png, final/)"
+    )
+    return 0
+
+
 def _experiment(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -238,13 +414,13 @@ def _eval(cfg: Any, args: argparse.Namespace) -> int:
         out = Path(cfg.model.name_or_path) / "eval.json"
     else:
         out = cfg.run_dir / "eval.json"
-    from services.evaluate import run_eval
-
     try:
+        check_paths(cfg, "--checkpoint" if args.checkpoint else "model.name_or_path")
+        from services.evaluate import run_eval
+
         report = run_eval(cfg, names, args.data, out, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"reval eval: {err}", file=sys.stderr)
-        return 2
+    except SET_UP_ERRORS as err:  # a checkpoint, benchmark or data file it cannot read
+        return fail("eval", err)
     print(report["table"], end="")
     print(f"results: {out}")
     return 0
@@ -271,8 +447,7 @@ def _eval_follow(cfg: Any, args: argparse.Namespace, names: list[str]) -> int:
         done = follow(cfg, names, args.data, args.every, args.max_evals, metrics=metrics,
                       stop=stop)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
-        print(f"reval eval: {err}", file=sys.stderr)
-        return 2
+        return fail("eval", err)
     print(json.dumps({"evaluated": [d["policy_version"] for d in done]}), flush=True)
     return 0
 
@@ -298,12 +473,17 @@ def _launch(cfg: Any, args: argparse.Namespace) -> int:
             return 1
         print(json.dumps(status), flush=True)
         return 0
+    try:
+        check_paths(cfg)
+    except SET_UP_ERRORS as err:
+        return fail("launch", err)
     return launch.launch(cfg, resume=args.resume)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    quiet_libraries()
     if args.command == "serve":
         return _serve(args)
     if args.command == "experiment":
@@ -328,59 +508,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.doctor import main as doctor_main
 
         return doctor_main(args)
-    algo = getattr(args, "algo", None)
-    overrides = list(ALGO_OVERRIDES.get(algo, [])) + list(args.overrides)
-    if getattr(args, "engine", None):
-        overrides.append(f"rollout.engine={args.engine}")
     try:
-        cfg = load_config(args.config, overrides)
+        if args.command == "train":
+            cfg = load_train_config(args)
+        else:
+            engine = [f"rollout.engine={args.engine}"] if getattr(args, "engine", None) else []
+            cfg = load_config(args.config, [*args.overrides, *engine])
     except ConfigError as err:
-        print(f"reval: {err}", file=sys.stderr)
-        return 2
+        return fail(args.command, err)
+    if args.command == "train":
+        return _train(cfg, args)
     if args.command == "learner":
-        if cfg.buffer.backend != "redis":
-            print("reval learner: the learner service needs buffer.backend=redis", file=sys.stderr)
-            return 2
-        from learner.service import main as learner_main
-        from services.setup import prepare_learner
-
-        try:
-            resume = args.resume or (args.resume_if_any and has_checkpoint(cfg))
-            if not args.export:
-                cfg = prepare_learner(cfg, resume)
-            return learner_main(cfg, resume=resume, nproc=args.nproc, export=args.export)
-        except ValueError as err:
-            print(f"reval learner: {err}", file=sys.stderr)
-            return 2
+        return _learner(cfg, args)
     if args.command == "launch":
         return _launch(cfg, args)
     if args.command == "eval":
         return _eval(cfg, args)
-    if args.command == "rollout":
-        if cfg.buffer.backend != "redis":
-            print(
-                "reval rollout: a rollout worker needs buffer.backend=redis (the replay service)",
-                file=sys.stderr,
-            )
-            return 2
+    return _rollout(cfg, args)
+
+
+def _learner(cfg: RunConfig, args: argparse.Namespace) -> int:
+    if cfg.buffer.backend != "redis":
+        return fail("learner", "the learner service needs buffer.backend=redis")
+    try:
+        check_paths(cfg)
+        from learner.service import main as learner_main
+        from services.setup import prepare_learner
+
+        resume = args.resume or (args.resume_if_any and has_checkpoint(cfg))
+        if not args.export:
+            cfg = prepare_learner(cfg, resume)
+    except SET_UP_ERRORS as err:
+        return fail("learner", err)
+    try:
+        return learner_main(cfg, resume=resume, nproc=args.nproc, export=args.export)
+    except (FileNotFoundError, ValueError) as err:  # no checkpoint to resume, a bad config
+        return fail("learner", err)
+
+
+def _rollout(cfg: RunConfig, args: argparse.Namespace) -> int:
+    if cfg.buffer.backend != "redis":
+        return fail("rollout", "a rollout worker needs buffer.backend=redis (the replay service)")
+    try:
+        check_paths(cfg)
         from rollout.worker import main as rollout_main
-
-        try:
-            return rollout_main(cfg, args.worker_id, args.max_batches, args.metrics_port)
-        except (ValueError, TimeoutError) as err:  # a config or a run it cannot work with
-            print(f"reval rollout: {err}", file=sys.stderr)
-            return 2
-    if args.no_progress:
-        cfg.metrics.progress = False
-    # Heavy imports (torch, transformers) only after the config is known to be good.
-    from services.progress import run_with_progress
-
-    result = run_with_progress(cfg)
-    print(
-        f"success rate {result.initial_success:.3f} -> {result.final_success:.3f}; "
-        f"run directory {result.run_dir} (metrics.jsonl, curve.png, final/)"
-    )
-    return 0
+    except SET_UP_ERRORS as err:
+        return fail("rollout", err)
+    try:
+        return rollout_main(cfg, args.worker_id, args.max_batches, args.metrics_port)
+    except (FileNotFoundError, ValueError, TimeoutError) as err:  # a config, model, dataset or
+        return fail("rollout", err)  # a run it cannot work with
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ from typing import Any
 from tqdm import tqdm
 
 from reval.config import RunConfig
-from services.train import TrainResult, train
+from services.train import Prepared, TrainResult, train
 
 
-def run_with_progress(cfg: RunConfig) -> TrainResult:
+def run_with_progress(cfg: RunConfig, prepared: Prepared | None = None) -> TrainResult:
+    """``train`` (of the run ``prepare`` built, when given) with a bar unless
+    ``metrics.progress`` is off."""
     if not cfg.metrics.progress:
-        return train(cfg)
+        return train(cfg, prepared=prepared)
     bar = tqdm(total=cfg.learner.rounds, desc=cfg.name, unit="round", dynamic_ncols=True)
     last_eval = [float("nan")]
 
@@ -30,6 +32,6 @@ def run_with_progress(cfg: RunConfig) -> TrainResult:
         )
 
     try:
-        return train(cfg, progress=on_round)
+        return train(cfg, progress=on_round, prepared=prepared)
     finally:
         bar.close()

@@ -15,7 +15,8 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
 from reval.config import RunConfig, dump_config
 from reval.metrics import JsonlWriter, TrainMetrics
-from reval.policy import compute_dtype
+from reval.policy import Policy, compute_dtype
 from rollout.collect import collect_round, evaluate
 from rollout.dealer import PromptDealer
 from rollout.engines import HFEngine, SamplingParams
@@ -63,16 +64,44 @@ def _eval_prompts(task: Task, cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
     return prompts
 
 
-def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
-    """Run the configured training; ``progress`` is called with each round's record."""
+@dataclass
+class Prepared:
+    """What a run is built from before its first round: the policy, the task (pretrained and
+    calibrated), the evaluation's prompts and the metrics they report on."""
+
+    metrics: TrainMetrics
+    policy: Policy
+    task: Task
+    info: dict[str, float]
+    eval_prompts: list[Prompt]
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Build the run (load the model, build the task and its evaluation prompts): what is wrong
+    with the config's model, dataset or task raises here (OSError, FileNotFoundError,
+    ValueError), before anything is written to the run directory."""
+    metrics = TrainMetrics()
+    policy, task, info = build_policy_and_task(cfg, metrics.registry)
+    eval_prompts = _eval_prompts(task, cfg, policy.tokenizer)
+    return Prepared(metrics, policy, task, info, eval_prompts)
+
+
+def train(
+    cfg: RunConfig,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    prepared: Prepared | None = None,
+) -> TrainResult:
+    """Run the configured training; ``progress`` is called with each round's record.
+    ``prepared``: the run built by ``prepare`` (default: built here)."""
+    prepared = prepared or prepare(cfg)
+    metrics, policy, task = prepared.metrics, prepared.policy, prepared.task
+    info, eval_prompts = prepared.info, prepared.eval_prompts
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "curve.png"):
         (run_dir / stale).unlink(missing_ok=True)
     dump_config(cfg, run_dir / "config.json")
 
-    metrics = TrainMetrics()
-    policy, task, info = build_policy_and_task(cfg, metrics.registry)
     engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device)
     learner = Learner(
         policy.model,
@@ -95,7 +124,6 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
     writer = JsonlWriter(run_dir / "metrics.jsonl") if cfg.metrics.jsonl else None
     dealer = PromptDealer(None, "", cfg.name, list(task.prompts), seed=cfg.seed)
-    eval_prompts = _eval_prompts(task, cfg, policy.tokenizer)
     params = SamplingParams(
         n=cfg.rollout.n,
         temperature=cfg.rollout.temperature,
@@ -216,7 +244,8 @@ def train(cfg: RunConfig, progress: Callable[[dict[str, Any]], None] | None = No
     if close_verifier is not None:  # the math task's grading pool
         close_verifier()
     _checkpoint(run_dir, learner, step, history[-1]["round"])
-    ckpt = export_hf(policy.model, policy.tokenizer, run_dir / "final")
+    with _no_library_progress_bar():  # (transformers' bar of its one shard)
+        ckpt = export_hf(policy.model, policy.tokenizer, run_dir / "final")
     if cfg.metrics.plot:
         from services.plot import plot_curve
 
@@ -246,3 +275,17 @@ def _checkpoint(run_dir: Path, learner: Learner, step: UpdateStep, rnd: int) -> 
     return save_checkpoint(
         run_dir / "checkpoints", learner.model, learner.reference.model, learner.optimizer, meta
     )
+
+
+@contextmanager
+def _no_library_progress_bar() -> Iterator[None]:
+    """transformers' (and the hub's) progress bars off for a while, then as they were."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
