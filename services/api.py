@@ -75,6 +75,9 @@ class CreateRun(BaseModel):
     """Rollout workers to start (default: ``launch.workers`` of the config)."""
     start: bool = True
     """Start it now (``reval launch``); False only registers it."""
+    resume: bool = False
+    """Continue from the checkpoints already in its run directory (``reval launch --resume``;
+    they may come from ``reval train`` or another API): without it such a directory is a 409."""
 
 
 class Scale(BaseModel):
@@ -310,9 +313,12 @@ def create_app(
 
     def check(creds: HTTPAuthorizationCredentials | None) -> None:
         if creds is None or creds.scheme.lower() != "bearer":
-            raise HTTPException(401, "bearer token required", {"WWW-Authenticate": "Bearer"})
+            raise HTTPException(401, f"bearer token required: set {cfg.token_env} to the API's "
+                                "token (reval runs sends it as Authorization: Bearer)",
+                                {"WWW-Authenticate": "Bearer"})  # fmt: skip
         if not token or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
-            raise HTTPException(403, "wrong token")
+            raise HTTPException(403, f"wrong token: not the {cfg.token_env} this API was "
+                                "started with")  # fmt: skip
 
     def write_auth(creds: Creds) -> None:
         check(creds)
@@ -493,10 +499,12 @@ def create_app(
         old = store.get(name)
         if old is not None and info(name, old).phase not in (*FINISHED, "registered"):
             raise HTTPException(409, f"run {name!r} exists and is live")
-        if (run_cfg.run_dir / "checkpoints" / "latest").is_file():
-            raise HTTPException(409, f"run {name!r} has checkpoints in {run_cfg.run_dir}: "
-                                "POST /v1/runs/{name}/start continues it; a new run needs "
-                                "a new name")  # fmt: skip
+        checkpoints = (run_cfg.run_dir / "checkpoints" / "latest").is_file()
+        if checkpoints and not body.resume:
+            raise HTTPException(409, _checkpoints_hint(name, run_cfg.run_dir, old is not None))
+        if body.resume and not checkpoints:
+            raise HTTPException(409, f"run {name!r} has no checkpoint in {run_cfg.run_dir} to "
+                                "resume from: create it without resume")  # fmt: skip
         # One creator at a time per name (two concurrent creates must not both launch).
         if not store.client.set(f"{store.runs_key}:claim:{name}", "1", nx=True, ex=30):
             raise HTTPException(409, f"run {name!r} is being created")
@@ -509,7 +517,7 @@ def create_app(
             "started": False,
         }
         control.set_workers(run_cfg.launch.workers)
-        control.record("created", {"workers": run_cfg.launch.workers})
+        control.record("created", {"workers": run_cfg.launch.workers, "resume": body.resume})
         if body.start:
             entry["pid"] = launch(name, entry)
             entry["started"] = True
@@ -625,6 +633,19 @@ def create_app(
                                        "type": "value_error"}]) from None  # fmt: skip
 
     return app
+
+
+def _checkpoints_hint(name: str, run_dir: Path, known: bool) -> str:
+    """The 409 of a create over a run directory with checkpoints, with the commands that work:
+    ``start`` where this API knows the run, ``create --resume`` (it registers the run over its
+    checkpoints) where it does not, and a new name for a new run."""
+    where = f"run {name!r} has checkpoints in {run_dir}"
+    new = f"a new run needs a new name (--set name={name}-2)"
+    if known:
+        return (f"{where}: `reval runs start {name}` (POST /v1/runs/{name}/start) continues it; "
+                f"{new}")  # fmt: skip
+    return (f"{where} that this API did not start: the same `reval runs create` with --resume "
+            '(body "resume": true) continues from them; ' + new)  # fmt: skip
 
 
 def _finite(value: Any) -> Any:

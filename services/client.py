@@ -8,15 +8,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from typing import Any
 
 ACTIONS = ("pause", "resume", "stop", "checkpoint", "export", "start")
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def default_url() -> str:
+    return os.environ.get("REVAL_API_URL", DEFAULT_URL)
 
 
 def add_parser(sub: Any) -> None:
     r = sub.add_parser("runs", help="control runs through the REST API (reval serve)")
-    r.add_argument("--url", default=os.environ.get("REVAL_API_URL", "http://127.0.0.1:8080"))
+    r.add_argument("--url", default=default_url(), help="the API (default: REVAL_API_URL or "
+                   f"{DEFAULT_URL})")  # fmt: skip
+    r.add_argument("--verbose", action="store_true", help="log every HTTP request")
     cmds = r.add_subparsers(dest="runs_command", required=True)
     cmds.add_parser("list", help="every run the API manages")
     g = cmds.add_parser("get", help="a run's phase, step, buffer, workers, metrics")
@@ -26,6 +34,12 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--workers", type=int)
     c.add_argument("--no-start", action="store_true", help="only register it")
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoints in its run directory (from `reval train` or "
+        "another API): without it such a run is refused (409)",
+    )
     for action in ACTIONS:
         a = cmds.add_parser(action, help=f"{action} a run")
         a.add_argument("name")
@@ -48,9 +62,30 @@ def _number(text: str) -> float | int:
         return float(text)
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """The ``reval runs create`` that was run, with ``--resume``."""
+    cmd = ["reval", "runs"]
+    if args.url != default_url():
+        cmd += ["--url", args.url]
+    cmd.append("create")
+    if args.config:
+        cmd += ["--config", args.config]
+    for item in args.overrides:
+        cmd += ["--set", item]
+    if args.workers is not None:
+        cmd += ["--workers", str(args.workers)]
+    if args.no_start:
+        cmd.append("--no-start")
+    return shlex.join([*cmd, "--resume"])
+
+
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     import httpx
 
+    if not args.verbose:  # (httpx logs each request at INFO, and the CLI logs INFO)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     headers = {}
     token = os.environ.get("REVAL_API_TOKEN")
     if token:
@@ -66,10 +101,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             cfg = load_config(args.config, args.overrides)
         except ConfigError as err:
-            print(f"reval runs: {err}", file=sys.stderr)
-            return 2
+            from services.cli import fail
+
+            return fail("runs", err)
         method = "POST"
         body = {"config": cfg.model_dump(mode="json"), "start": not args.no_start}
+        if args.resume:
+            body["resume"] = True
         if args.workers is not None:
             body["workers"] = args.workers
     elif cmd in ACTIONS:
@@ -103,7 +141,10 @@ def run(args: argparse.Namespace) -> int:
         payload = resp.text
     if resp.status_code >= 400:
         detail = payload.get("detail", payload) if isinstance(payload, dict) else payload
-        print(f"reval runs: {resp.status_code}: {json.dumps(detail)}", file=sys.stderr)
+        hint = ""
+        if cmd == "create" and resp.status_code == 409 and "--resume" in str(detail):
+            hint = f"; to continue it: {resume_command(args)}"
+        print(f"reval runs: {resp.status_code}: {json.dumps(detail)}{hint}", file=sys.stderr)
         return 1
     print(json.dumps(payload, indent=2))
     return 0

@@ -150,6 +150,7 @@ def test_bad_bodies_are_422(client):
 def test_tokens(client, api_cfg, monkeypatch):
     r = client.post("/v1/runs", json={"config": small(), "start": False})
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert api_cfg.token_env in r.json()["detail"]  # where the token goes (REVAL_API_TOKEN)
     bad = {"Authorization": "Bearer wrong-token-wrong-token-0000"}
     assert client.post("/v1/runs", json={"config": small()}, headers=bad).status_code == 403
     assert (
@@ -266,8 +267,8 @@ def test_start_again_resumes_and_recreate_is_refused(api_cfg, monkeypatch, tmp_p
     ckpt.mkdir(parents=True)
     (ckpt / "latest").write_text("step-00000009")
     r = c.post("/v1/runs", json={"config": small("again"), "start": False}, headers=AUTH)
-    assert r.status_code == 409 and "start" in r.json()["detail"]
-    assert c.post("/v1/runs/again/start", headers=AUTH).status_code == 202
+    assert r.status_code == 409 and "`reval runs start again`" in r.json()["detail"]
+    assert c.post("/v1/runs/again/start", headers=AUTH).status_code == 202  # (what it says)
     assert started == ["again"]
     got = c.get("/v1/runs/again").json()
     assert got["phase"] == "starting" and got["step"] is None  # the old final status is gone
@@ -399,3 +400,59 @@ def test_the_redis_password_is_never_written(tmp_path, redis_url, redis_prefix, 
     dump_config(run, tmp_path / "config.json")
     assert "s3cret-pw" not in (tmp_path / "config.json").read_text()
     assert public_dump(run)["buffer"]["redis_url"] == f"redis://default:***@{host}"
+
+
+# -- issue 25: the 409's advice leads to a command that works --------------------------------------
+
+
+def test_checkpoints_the_api_did_not_make_resume_with_the_command_it_names(
+    api_cfg, monkeypatch, tmp_path
+):
+    """After `make demo`, creating "demo" was a 409 saying POST /start continues it, and start was
+    a 404: the API never knew the run. Now the 409 names `reval runs create ... --resume`, and
+    that create (body "resume": true) registers the run over its checkpoints and launches
+    `reval launch --resume` (the API's own launcher, with Popen recorded instead of run)."""
+    import services.api
+
+    launched: list[list[str]] = []
+
+    class Popen:  # what the API's own launcher runs, recorded instead of run
+        def __init__(self, cmd, **_kwargs):
+            launched.append(list(cmd))
+            self.pid = 4_000_000 + len(launched)
+
+        def poll(self):
+            return None
+
+    monkeypatch.setenv(api_cfg.token_env, TOKEN)
+    monkeypatch.setattr(services.api.subprocess, "Popen", Popen)
+    c = TestClient(create_app(api_cfg))
+    ckpt = tmp_path / "demo" / "checkpoints"  # as `reval train` leaves them
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest").write_text("step-00002400")
+    r = c.post("/v1/runs", json={"config": small("demo")}, headers=AUTH)
+    assert r.status_code == 409, r.text
+    hint = r.json()["detail"]
+    assert "`reval runs create` with --resume" in hint and "--set name=demo-2" in hint
+    assert "reval runs start" not in hint  # (the API does not know it: that was the 404)
+    assert c.post("/v1/runs/demo/start", headers=AUTH).status_code == 404
+    assert launched == []
+
+    r = c.post("/v1/runs", json={"config": small("demo"), "resume": True}, headers=AUTH)
+    assert r.status_code == 201, r.text
+    assert r.json()["phase"] == "starting"
+    [cmd] = launched
+    assert cmd[-4:] == ["launch", "--config", str(tmp_path / "demo" / "config.request.json"),
+                        "--resume"]  # fmt: skip
+    assert c.get("/v1/runs/demo").json()["name"] == "demo"
+    created = [e for e in c.get("/v1/runs/demo/events").json() if e["kind"] == "created"]
+    assert created[-1]["detail"]["resume"] is True
+    # The other way out: a new name is a new run.
+    r = c.post("/v1/runs", json={"config": small("demo-2"), "start": False}, headers=AUTH)
+    assert r.status_code == 201, r.text
+
+
+def test_resume_needs_checkpoints(client):
+    r = client.post("/v1/runs", json={"config": small("fresh"), "resume": True}, headers=AUTH)
+    assert r.status_code == 409 and "no checkpoint" in r.json()["detail"]
+    assert client.get("/v1/runs/fresh").status_code == 404

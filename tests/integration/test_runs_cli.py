@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -69,6 +70,8 @@ def test_runs_client_against_a_live_api(tmp_path, redis_url, redis_prefix):
         assert [r["name"] for r in listed] == ["cli"]
         got = reval("runs", "get", "cli", env=env)
         assert json.loads(got.stdout)["phase"] == "registered"
+        assert "HTTP Request" not in got.stdout + got.stderr  # no per-request log lines
+        assert "HTTP Request" in reval("runs", "--verbose", "get", "cli", env=env).stderr
         # Errors come back with the API's code and message, exit status 1.
         paused = reval("runs", "pause", "cli", env=env)
         assert paused.returncode == 1 and "409" in paused.stderr
@@ -79,6 +82,22 @@ def test_runs_client_against_a_live_api(tmp_path, redis_url, redis_prefix):
         no_token = {k: v for k, v in env.items() if k != "REVAL_API_TOKEN"}
         denied = reval("runs", "scale", "cli", "2", env=no_token)
         assert denied.returncode == 1 and "401" in denied.stderr
+        assert "REVAL_API_TOKEN" in denied.stderr  # where the token goes
+        # Checkpoints the API did not make (`reval train`'s): the 409 ends with the exact
+        # command that continues them, and that command works.
+        (tmp_path / "old" / "checkpoints").mkdir(parents=True)
+        (tmp_path / "old" / "checkpoints" / "latest").write_text("step-00000004")
+        args = ["--set", "name=old", "--set", "buffer.backend=redis", "--workers", "1",
+                "--no-start"]  # fmt: skip
+        refused = reval("runs", "create", *args, env=env)
+        assert refused.returncode == 1 and "409" in refused.stderr
+        assert len(refused.stderr.splitlines()) == 1, refused.stderr
+        hint = shlex.split(refused.stderr.split("to continue it: ", 1)[1])
+        assert hint == ["reval", "runs", "create", *args, "--resume"]
+        assert reval("runs", "start", "old", env=env).returncode == 1  # (unknown to the API)
+        resumed = reval(*hint[1:], env=env)
+        assert resumed.returncode == 0, resumed.stderr
+        assert json.loads(reval("runs", "get", "old", env=env).stdout)["phase"] == "registered"
         events = json.loads(reval("runs", "events", "cli", env=env).stdout)
         assert "created" in [e["kind"] for e in events]
         gone = reval("runs", "--url", "http://127.0.0.1:1", "list", env=env)
