@@ -4,8 +4,9 @@ For each benchmark (``rollout/benchmarks.py``: at most ``eval.max_problems`` pro
 subsample), ``eval.samples_per_prompt`` = k answers per problem at ``eval.temperature`` and
 ``eval.top_p`` with the run's engine (HF, or vLLM on GPU), graded by the training verifier
 (math-verify in a process pool; GPQA by option letter). avg@k = the mean over problems of the
-fraction of a problem's k answers that are right. Results go to a JSON file and a table with the
-paper's columns (AIME24 AIME25 AMC MATH MINERVA Olympiad GPQA Avg).
+fraction of a problem's k answers that are right. Results go to a JSON file and a table of the
+same fractions, one column per benchmark named as configured, in the paper's order (aime24 aime25
+amc math500 minerva olympiad gpqa), then the others and their average (avg).
 """
 
 from __future__ import annotations
@@ -83,13 +84,14 @@ def evaluate_benchmark(
 
 
 def table(results: dict[str, BenchmarkResult]) -> str:
-    """The paper's columns (percent), the benchmarks run, their average."""
+    """avg@k of each benchmark run, a fraction (3 decimals) under its name as configured (the
+    paper's columns first, in its order), and their average ``avg``: the figures and keys of
+    ``eval.json``."""
     cols = [c for c in COLUMNS if c in results] + [c for c in results if c not in COLUMNS]
-    head = " | ".join(BENCHMARKS[c].title if c in BENCHMARKS else c for c in cols)
-    vals = [100 * results[c].avg_at_k for c in cols]
+    vals = [results[c].avg_at_k for c in cols]
     avg = float(np.mean(vals)) if vals else 0.0
-    row = " | ".join(f"{v:.1f}" for v in vals)
-    return f"| {head} | Avg |\n|{'---|' * (len(cols) + 1)}\n| {row} | {avg:.1f} |\n"
+    row = " | ".join(f"{v:.3f}" for v in vals)
+    return f"| {' | '.join(cols)} | avg |\n|{'---|' * (len(cols) + 1)}\n| {row} | {avg:.3f} |\n"
 
 
 def _prepare(

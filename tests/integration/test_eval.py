@@ -118,8 +118,25 @@ def test_avg_at_k_is_the_mean_over_problems_of_the_fraction_right():
     assert res.per_problem == [0.0, 0.25, 0.5, 0.75] * 2
     assert res.avg_at_k == pytest.approx(0.375) and res.k == 4 and res.problems == 8
     t = table({"gpqa": res, "aime24": res})
-    assert t.splitlines()[0] == "| AIME24 | GPQA | Avg |"  # the paper's column order
-    assert t.splitlines()[2] == "| 37.5 | 37.5 | 37.5 |"
+    assert t.splitlines()[0] == "| aime24 | gpqa | avg |"  # the paper's column order
+    assert t.splitlines()[2] == f"| {res.avg_at_k:.3f} | {res.avg_at_k:.3f} | {res.avg_at_k:.3f} |"
+
+
+def test_the_table_is_in_eval_jsons_unit_under_the_configured_names():
+    """It printed percent under `Word` for `wordmath` while eval.json stores fractions: now the
+    same fractions as eval.json (3 decimals), each column named as the benchmark was given."""
+    problems = [Problem(f"p{i}", "q", "a") for i in range(4)]
+    words = evaluate_benchmark(Benchmark(BENCHMARKS["wordmath"], problems, prompts=["q"] * 4),
+                               FakeEngine(), FakeTokenizer(), FakeVerifier(),
+                               SamplingParams(n=4))  # fmt: skip
+    math = evaluate_benchmark(Benchmark(BENCHMARKS["math500"], problems[:2], prompts=["q"] * 2),
+                              FakeEngine(), FakeTokenizer(), FakeVerifier(),
+                              SamplingParams(n=4))  # fmt: skip
+    head, _, row = table({"wordmath": words, "math500": math}).splitlines()
+    assert head == "| math500 | wordmath | avg |"
+    avg = (math.avg_at_k + words.avg_at_k) / 2
+    assert row == f"| {math.avg_at_k:.3f} | {words.avg_at_k:.3f} | {avg:.3f} |"
+    assert 0 < math.avg_at_k < 1 and math.avg_at_k != words.avg_at_k  # (fractions, not percent)
 
 
 @pytest.mark.timeout(300)
@@ -138,8 +155,11 @@ def test_reval_eval_on_a_saved_checkpoint(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| AIME24 | GPQA | Avg |" in done.stdout
     report = json.loads((ckpt / "eval.json").read_text())
+    # The printed table holds eval.json's figures, under the benchmarks' names.
+    scores = [report["benchmarks"][b]["avg_at_k"] for b in ("aime24", "gpqa")]
+    row = " | ".join(f"{v:.3f}" for v in [*scores, report["avg"]])
+    assert f"| aime24 | gpqa | avg |\n|---|---|---|\n| {row} |" in done.stdout
     assert report["k"] == 3 and report["checkpoint"] == str(ckpt)
     assert report["benchmarks"]["aime24"]["problems"] == 6
     assert report["benchmarks"]["gpqa"]["problems"] == 4
