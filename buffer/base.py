@@ -76,6 +76,8 @@ class SampledBatch:
     """Stale trajectories passed over (or dropped) to fill this batch."""
     wait_s: float = 0.0
     """Seconds spent waiting for the rate limiter or for enough trajectories."""
+    fresh: bool = False
+    """Handed out by ``take`` (the fresh schedule) rather than by a uniform ``sample``."""
 
     def __len__(self) -> int:
         return len(self.trajectories)
@@ -112,15 +114,21 @@ class ReplayBuffer(Protocol):
         ...
 
     def take(
-        self, batch_size: int, timeout: float = 0.0, whole_groups: bool = False
+        self,
+        batch_size: int,
+        timeout: float = 0.0,
+        whole_groups: bool = False,
+        oldest_first: bool = False,
     ) -> SampledBatch:
-        """The newest ``batch_size`` trajectories never handed out before (use count 0), newest
-        first: a fresh batch. ``whole_groups``: only whole groups (the answers to one prompt,
-        contiguous within one insert) and never part of one, so a group of a producer is
-        handed out complete and once (GRPO's on-policy consumption). Use counts go to 1 and the
-        batch counts as sampled, but the rate limiter does not hold it back: each trajectory
-        goes out this way at most once. Respects ``max_staleness``. Waits up to ``timeout``
-        seconds for enough fresh trajectories, then raises SampleTimeout."""
+        """``batch_size`` trajectories no ``take`` handed out before (a uniform ``sample`` may
+        have): a fresh batch, newest first, or in insert order with ``oldest_first`` (each
+        trajectory is then taken before any newer one, so none is passed over until evicted).
+        ``whole_groups``: only whole groups (the answers to one prompt, contiguous within one
+        insert) and never part of one, so a group of a producer is handed out complete and once
+        (GRPO's on-policy consumption). Use counts go up by one and the batch counts as
+        sampled, but the rate limiter does not hold it back: each trajectory goes out this way
+        at most once. Respects ``max_staleness``. Waits up to ``timeout`` seconds for enough
+        fresh trajectories, then raises SampleTimeout."""
         ...
 
     def update_priorities(self, traj_ids: Sequence[str], deltas: Sequence[float]) -> int:
@@ -155,23 +163,27 @@ class FreshRun:
     positions: Sequence[int]
     group_ids: Sequence[str]
     usable: Sequence[bool]
-    """Never handed out and not too stale."""
+    """Never taken and not too stale."""
     truncated: bool = False
     """The insert's oldest positions were evicted: its first group may be incomplete."""
 
 
-def pick_fresh(runs: Sequence[FreshRun], batch_size: int, whole_groups: bool) -> list[int] | None:
-    """The positions ``take`` hands out: ``runs`` newest insert first; within an insert the
-    newest first. Without ``whole_groups`` the newest ``batch_size`` usable positions; with it,
-    whole groups (contiguous equal group ids within one insert, every member usable, not the
-    possibly incomplete first group of a truncated insert), newest first, passing over a group
+def pick_fresh(
+    runs: Sequence[FreshRun], batch_size: int, whole_groups: bool, oldest_first: bool = False
+) -> list[int] | None:
+    """The positions ``take`` hands out: ``runs`` in the order ``take`` reads them (newest
+    insert first, or oldest first with ``oldest_first``); within an insert the newest first (or
+    the oldest). Without ``whole_groups`` the first ``batch_size`` usable positions in that
+    order; with it, whole groups (contiguous equal group ids within one insert, every member
+    usable, not the possibly incomplete first group of a truncated insert), passing over a group
     that does not fit: ``batch_size`` of them, or fewer when uneven groups leave a gap smaller
     than the largest group picked (no group of that size could fill it). None: not enough."""
     picked: list[int] = []
     largest = 0
     for run in runs:
         if not whole_groups:
-            for k in range(len(run.positions) - 1, -1, -1):
+            n = len(run.positions)
+            for k in range(n) if oldest_first else range(n - 1, -1, -1):
                 if run.usable[k]:
                     picked.append(run.positions[k])
                     if len(picked) == batch_size:
@@ -185,10 +197,11 @@ def pick_fresh(runs: Sequence[FreshRun], batch_size: int, whole_groups: bool) ->
         spans = list(itertools.pairwise(bounds))
         if run.truncated and spans:
             spans = spans[1:]
-        for lo, hi in reversed(spans):
+        for lo, hi in spans if oldest_first else reversed(spans):
             if hi - lo + len(picked) > batch_size or not all(run.usable[lo:hi]):
                 continue
-            picked += [run.positions[k] for k in range(hi - 1, lo - 1, -1)]
+            ks = range(lo, hi) if oldest_first else range(hi - 1, lo - 1, -1)
+            picked += [run.positions[k] for k in ks]
             largest = max(largest, hi - lo)
             if len(picked) == batch_size:
                 return picked

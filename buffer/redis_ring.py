@@ -79,6 +79,9 @@ class RingCorrupt(RuntimeError):
 
 CHUNK_BYTES = 8 << 20  # one insert script call carries at most this much
 CHUNK_RECORDS = 2048
+TAKEN = 1 << 31
+"""The top bit of a slot's use count (``use``): a ``take`` has handed the record out. Counts
+read back mask it off; a record with it is used, so the eviction count of unused ones holds."""
 
 
 class RunKeys(NamedTuple):
@@ -766,12 +769,17 @@ class RedisRing:
         return batch
 
     def take(
-        self, batch_size: int, timeout: float = 0.0, whole_groups: bool = False
+        self,
+        batch_size: int,
+        timeout: float = 0.0,
+        whole_groups: bool = False,
+        oldest_first: bool = False,
     ) -> SampledBatch:
-        """Reads the window and the use counts (one round trip), then the never-used records of
-        the newest chunks until enough are found (a chunk is one insert's, cut only between
-        groups), picks them (``buffer.base.pick_fresh``), and counts their uses and the batch in
-        one MULTI/EXEC. One consumer at a time (the learner's rank 0): a position evicted
+        """Reads the window and the use counts (one round trip), then the never-taken records
+        of the newest chunks (or the oldest) until enough are found (a chunk is one insert's,
+        cut only between groups), picks them (``buffer.base.pick_fresh``), and marks them taken,
+        counts their uses and the batch in one MULTI/EXEC (the mark is the use count's top bit,
+        ``TAKEN``). One consumer at a time (the learner's rank 0): a position evicted
         between the read and the count gives its count back and is picked anew."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -782,7 +790,7 @@ class RedisRing:
         while True:
             try:
                 got = self._retry(
-                    functools.partial(self._take_once, batch_size, whole_groups),
+                    functools.partial(self._take_once, batch_size, whole_groups, oldest_first),
                     max(0.0, deadline - time.monotonic()),
                 )
             except BufferUnavailable as err:
@@ -803,7 +811,9 @@ class RedisRing:
             )
         return got
 
-    def _take_once(self, batch_size: int, whole_groups: bool) -> SampledBatch | str:
+    def _take_once(
+        self, batch_size: int, whole_groups: bool, oldest_first: bool
+    ) -> SampledBatch | str:
         """One attempt of ``take``: the batch, or why there is none yet."""
         k, cap = self.keys, self._capacity
         pipe = self.client.pipeline(transaction=True)
@@ -825,12 +835,14 @@ class RedisRing:
         found: dict[int, Trajectory] = {}
         unused_total = 0
         picked = None
-        for first, end in reversed(chunks):
+        for first, end in chunks if oldest_first else reversed(chunks):
             lo = max(first, tail)
+            if lo >= end:
+                continue
             slots = np.arange(lo, end) % cap
             unused = [
                 int(p) for p, s in zip(range(lo, end), slots, strict=True)
-                if s >= len(uses) or uses[s] == 0
+                if s >= len(uses) or not uses[s] & TAKEN
             ]  # fmt: skip
             if not unused:
                 continue
@@ -857,18 +869,18 @@ class RedisRing:
             runs.append(FreshRun(positions, gids, usable, truncated=first < tail))
             unused_total += sum(usable)
             if unused_total >= batch_size:
-                picked = pick_fresh(runs, batch_size, whole_groups)
+                picked = pick_fresh(runs, batch_size, whole_groups, oldest_first)
                 if picked is not None:
                     break
         if picked is None and whole_groups:  # (short batches of uneven groups)
-            picked = pick_fresh(runs, batch_size, whole_groups)
+            picked = pick_fresh(runs, batch_size, whole_groups, oldest_first)
         if picked is None:
             what = "in whole groups " if whole_groups else ""
             return f"fewer than {batch_size} fresh trajectories {what}in {head - tail} held"
         res = self._transact(
             [
                 resp.pack("HGET", k.meta, "tail"),
-                resp.bitfield_u32(k.use, [p % cap for p in picked], 1),
+                resp.bitfield_u32(k.use, [p % cap for p in picked], TAKEN + 1),
                 resp.pack("HINCRBY", k.meta, "sampled", len(picked)),
             ]
         )
@@ -877,17 +889,17 @@ class RedisRing:
         if gone:  # evicted meanwhile: undo every count (also the newer records' in their slots)
             self._transact(
                 [
-                    resp.bitfield_u32(k.use, [p % cap for p in picked], -1),
+                    resp.bitfield_u32(k.use, [p % cap for p in picked], -(TAKEN + 1)),
                     resp.pack("HINCRBY", k.meta, "sampled", -len(picked)),
                 ]
             )
             return f"{len(gone)} fresh trajectories were evicted while being taken"
         trajs = [found[p] for p in picked]
-        for t in trajs:
-            t.use_count = 1
+        for t, count in zip(trajs, res[1], strict=True):
+            t.use_count = count & ~TAKEN  # (1, or more when a uniform sample drew it first)
         self._remember([t.traj_id for t in trajs], picked)
         staleness = version - np.asarray([t.policy_version for t in trajs], dtype=np.int64)
-        return SampledBatch(trajs, np.ones(len(trajs), dtype=np.float32), staleness)
+        return SampledBatch(trajs, np.ones(len(trajs), dtype=np.float32), staleness, fresh=True)
 
     def _draw(self, k: int, tail: int, head: int, drawn: set[int]) -> list[int] | None:
         """k distinct positions of [tail, head) not in ``drawn``, uniformly (None: too few)."""
@@ -936,7 +948,7 @@ class RedisRing:
         for got in res[1 : len(res) - (1 if order else 0)]:
             blobs += got[0::2]
             refs += got[1::2]
-        uses = list(res[-1]) if order else []
+        uses = [u & ~TAKEN for u in res[-1]] if order else []
         # Positions no chunk holds (never written, or evicted since): missing, no use counted.
         order += missing
         blobs += [None] * len(missing)

@@ -56,6 +56,8 @@ class MemoryRing:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._capacity = capacity
         self._slots: list[Trajectory | None] = [None] * capacity
+        self._taken = [False] * capacity
+        """Per slot: a ``take`` has handed its trajectory out (the fresh schedule's mark)."""
         self._index: dict[str, int] = {}  # traj_id -> position
         self._head = 0  # total inserted; next slot is head % capacity
         self._tail = 0  # oldest held position
@@ -116,6 +118,7 @@ class MemoryRing:
                     evicted += 1
                     unused += old.use_count == 0
                 self._slots[slot] = t
+                self._taken[slot] = False
                 self._index[t.traj_id] = self._head
                 if self._tree is not None:
                     self._tree.set(slot, self._max_priority)
@@ -248,19 +251,28 @@ class MemoryRing:
         return self._batch(out, weights, version, size, skipped + dropped, waited, start)
 
     def take(
-        self, batch_size: int, timeout: float = 0.0, whole_groups: bool = False
+        self,
+        batch_size: int,
+        timeout: float = 0.0,
+        whole_groups: bool = False,
+        oldest_first: bool = False,
     ) -> SampledBatch:
         def attempt() -> tuple[list[int] | None, str]:
             what = "in whole groups " if whole_groups else ""
             why = f"fewer than {batch_size} fresh trajectories {what}in {len(self)} held"
-            return pick_fresh(self._fresh_runs(), batch_size, whole_groups), why
+            runs = self._fresh_runs(oldest_first)
+            return pick_fresh(runs, batch_size, whole_groups, oldest_first), why
 
         start = time.perf_counter()
         with self._cond:
             picked, waited, dropped = self._until(attempt, batch_size, start + timeout)
+            for pos in picked:
+                self._taken[pos % self._capacity] = True
             out, version, size = self._hand_out(picked)
         weights = np.ones(len(out), dtype=np.float32)
-        return self._batch(out, weights, version, size, dropped, waited, start)
+        batch = self._batch(out, weights, version, size, dropped, waited, start)
+        batch.fresh = True
+        return batch
 
     def _until(
         self, attempt: Callable[[], tuple[T | None, str]], batch_size: int, deadline: float
@@ -315,18 +327,21 @@ class MemoryRing:
             self.metrics.size.set(size)
         return SampledBatch(out, weights, staleness, skipped, waited)
 
-    def _fresh_runs(self) -> list[FreshRun]:
-        """``take``'s candidates, newest insert first. Caller holds the lock."""
+    def _fresh_runs(self, oldest_first: bool = False) -> list[FreshRun]:
+        """``take``'s candidates, newest insert first (or oldest). Caller holds the lock."""
         floor = None if self.max_staleness is None else self._version - self.max_staleness
         runs = []
-        for first, end in reversed(self._inserts):
+        for first, end in self._inserts if oldest_first else reversed(self._inserts):
             lo = max(first, self._tail)
             if lo >= end:
                 continue
-            held = [self._slots[p % self._capacity] for p in range(lo, end)]
+            cap = self._capacity
+            held = [self._slots[p % cap] for p in range(lo, end)]
             usable = [
-                t is not None and t.use_count == 0 and (floor is None or t.policy_version >= floor)
-                for t in held
+                t is not None
+                and not self._taken[p % cap]
+                and (floor is None or t.policy_version >= floor)
+                for p, t in zip(range(lo, end), held, strict=True)
             ]
             gids = [t.group_id if t is not None else "" for t in held]
             runs.append(FreshRun(range(lo, end), gids, usable, truncated=first < self._tail))
@@ -374,6 +389,7 @@ class MemoryRing:
     def reset(self) -> None:
         with self._cond:
             self._slots = [None] * self._capacity
+            self._taken = [False] * self._capacity
             self._index.clear()
             self._head = self._tail = self._evicted = self._evicted_unused = self._sampled = 0
             self._rejected = self._dropped = self._version = 0

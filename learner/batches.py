@@ -3,9 +3,10 @@ of ``reval train`` or the Redis replay service of ``reval learner``), and how a 
 among the learner ranks.
 
 - ReVal, TBRM, regression (off-policy): out of every ``updates_per_round`` updates the first
-  ``fresh_updates`` take the newest never-used trajectories (``learner.first_update_fresh``, the
-  paper's appendix: as many updates as one round of trajectories fills, so every trajectory is
-  used at least once before it is evicted) and the others sample the FIFO window uniformly; the
+  ``fresh_updates`` take never-taken trajectories in insert order (``learner.first_update_fresh``,
+  the paper's appendix: as many updates as one round of trajectories fills, so every trajectory
+  is trained on at least once before it is evicted, whether a uniform sample drew it first or
+  not) and the others sample the FIFO window uniformly; the
   buffer's sample-to-insert limiter (``buffer.samples_per_insert``, which follows from K) and the
   workers' pacing (``buffer.generate_ahead``) keep the reuse at K in the service.
 - GRPO (on-policy): every batch takes whole groups of never-used trajectories, newest first, so
@@ -56,7 +57,10 @@ class BatchSource:
         """The next batch; raises SampleTimeout (and keeps its place in the schedule) when the
         buffer cannot hand it out within ``timeout`` seconds."""
         if self.next_is_fresh:
-            batch = self.buffer.take(self.batch_size, timeout, whole_groups=self.on_policy)
+            # Off-policy: in insert order, so no trajectory is passed over by newer ones until
+            # it is evicted; GRPO: newest first, the most on-policy groups.
+            batch = self.buffer.take(self.batch_size, timeout, whole_groups=self.on_policy,
+                                     oldest_first=not self.on_policy)  # fmt: skip
         else:
             batch = self.buffer.sample(self.batch_size, timeout)
         self.drawn += 1

@@ -215,6 +215,7 @@ class UpdateStep:
             record["staleness_mean"] = float(batch.staleness.mean()) if len(batch) else 0.0
             record["group_sizes"] = {str(k): v for k, v in sorted(sizes.items())}
             record["use_count_mean"] = sum(t.use_count for t in batch) / max(len(batch), 1)
+            record["fresh"] = int(batch.fresh)
         m = self.metrics
         if m is not None:
             m.loss.set(loss)

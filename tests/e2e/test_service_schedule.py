@@ -95,8 +95,7 @@ def test_reval_service_reuses_each_trajectory_k_times(tmp_path, redis_url, redis
     assert config["buffer"]["samples_per_insert"] == 2.0  # K * B / (prompts * n)
     assert config["buffer"]["generate_ahead"] is None  # the default: one learner round
     rows = read_jsonl(tmp_path / "k2" / "learner.jsonl")
-    fresh = [r for r in rows if r["use_count_mean"] == 1.0]
-    assert len(fresh) >= len(rows) // 2 - 1  # every other update takes the newest batch
+    assert [r["fresh"] for r in rows] == [1, 0] * (len(rows) // 2)  # a round: take, then sample
     # Steady state: from the first update where the learner has caught up with the workers'
     # start (the limiter binds: at most two batches short of K uses per insert) to the end.
     b = 16

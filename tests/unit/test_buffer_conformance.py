@@ -437,14 +437,35 @@ def test_take_skips_a_group_cut_by_eviction_and_used_records(make_buffer):
     assert buf.take(2).traj_ids == ["t3", "t2"]  # (not whole groups: any fresh record)
 
 
-def test_take_after_sample_counts_only_never_used(make_buffer):
+def test_take_hands_out_what_no_take_did_sampled_or_not(make_buffer):
+    """A uniform sample does not use up the fresh schedule: ``take`` hands out every record no
+    ``take`` handed out before (so a round's records all go into its fresh updates), counting
+    the use on top of the sample's."""
     buf = make_buffer(16, seed=3)
     buf.insert(_grouped(0, [4, 4]))
     sampled = {t.traj_id for t in buf.sample(3)}
-    fresh = buf.take(5)
-    assert not sampled & set(fresh.traj_ids)
-    assert {t.use_count for t in buf.items()} == {1}
-    assert buf.stats().sampled == 8
+    fresh = buf.take(8)
+    assert sorted(fresh.traj_ids) == sorted(f"t{i}" for i in range(8))
+    assert {t.traj_id: t.use_count for t in fresh} == {
+        f"t{i}": 2 if f"t{i}" in sampled else 1 for i in range(8)
+    }
+    with pytest.raises(SampleTimeout, match="fresh"):
+        buf.take(1)
+    uses = sorted(t.use_count for t in buf.items())
+    assert uses == [1] * 5 + [2] * 3
+    assert buf.stats().sampled == 11
+    buf.sample(8)  # taken records are still sampled uniformly
+    assert buf.stats().sampled == 19
+
+
+def test_take_oldest_first_goes_in_insert_order(make_buffer):
+    buf = make_buffer(32)
+    buf.insert(_grouped(0, [4, 4]))
+    buf.insert(_grouped(8, [4, 4]))
+    assert buf.take(6, oldest_first=True).traj_ids == [f"t{i}" for i in range(6)]
+    assert buf.take(6, oldest_first=True).traj_ids == [f"t{i}" for i in range(6, 12)]
+    got = buf.take(4, whole_groups=True, oldest_first=True)
+    assert got.traj_ids == [f"t{i}" for i in range(12, 16)]  # a whole group, in order
 
 
 def test_take_waits_for_an_insert(make_buffer):
