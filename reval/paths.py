@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path, PureWindowsPath
 from typing import TYPE_CHECKING
 
@@ -38,11 +38,12 @@ class DatasetNotFound(FileNotFoundError, ValueError):
     FileNotFoundError, and a ValueError as the invalid config value it is)."""
 
 
-def looks_local(name: str) -> bool:
+def looks_local(name: str, local_roots: Sequence[str] = ()) -> bool:
     """Whether ``name`` can only mean a local path: it exists; it is absolute or starts with
     ``.`` or ``~``; it has a backslash, a drive, two or more ``/`` or a trailing one; or its
-    first component is a directory here (``runs/x`` when ``runs/`` exists). Anything else is a
-    hub name (``NAME`` or ``ORG/NAME``)."""
+    first component is a directory here (``runs/x`` when ``runs/`` exists) or one of
+    ``local_roots`` (the run's ``output_dir``: ``runs/x`` on a fresh clone too). Anything else
+    is a hub name (``NAME`` or ``ORG/NAME``)."""
     if os.path.lexists(os.path.expanduser(name)):
         return True
     if name.startswith(("/", ".", "~")) or "\\" in name or PureWindowsPath(name).drive:
@@ -50,7 +51,8 @@ def looks_local(name: str) -> bool:
     if name.count("/") > 1 or name.endswith("/"):
         return True
     first, sep, _ = name.partition("/")
-    return bool(sep) and os.path.isdir(first)
+    roots = {os.path.normpath(r) for r in local_roots}
+    return bool(sep) and (os.path.isdir(first) or first in roots)
 
 
 def nearest_existing(path: str | Path) -> Path | None:
@@ -83,10 +85,13 @@ def _is_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
-def check_model(name_or_path: str, field: str = "model.name_or_path") -> str:
+def check_model(
+    name_or_path: str, field: str = "model.name_or_path", local_roots: Sequence[str] = ()
+) -> str:
     """What to hand ``from_pretrained``: a local checkpoint directory (``config.json`` and a
-    tokenizer) or a hub id. A local-looking path that is no checkpoint is a ``ModelNotFound``."""
-    if not looks_local(name_or_path):
+    tokenizer) or a hub id. A local-looking path that is no checkpoint is a ``ModelNotFound``
+    (``local_roots``: see ``looks_local``)."""
+    if not looks_local(name_or_path, local_roots):
         return name_or_path
     path = Path(name_or_path).expanduser()
     if _is_checkpoint(path) and any((path / f).is_file() for f in TOKENIZER_FILES):
@@ -136,7 +141,7 @@ def check_run_paths(cfg: RunConfig, model_field: str = "model.name_or_path") -> 
     ``eval.dataset`` of a math task. Raises ``ModelNotFound``, ``DatasetNotFound`` or a
     ValueError, each one line naming the field."""
     if cfg.model.name_or_path is not None:
-        check_model(cfg.model.name_or_path, model_field)
+        check_model(cfg.model.name_or_path, model_field, local_roots=(cfg.output_dir,))
     if cfg.task.kind == "math":
         for field, source in (("task.dataset", cfg.task.dataset), ("eval.dataset",
                                                                     cfg.eval.dataset)):  # fmt: skip

@@ -198,3 +198,17 @@ def test_nearest_existing(project):
 def test_model_config_with_a_missing_model_is_still_valid_config():
     """The check is at load time (the config may name a model made later)."""
     assert ModelConfig(name_or_path="runs/later").name_or_path == "runs/later"
+
+
+def test_on_a_fresh_clone_the_output_dir_marks_a_path_local(tmp_path, monkeypatch):
+    """No ``runs/`` yet (a fresh clone, before ``make demo``): ``runs/wordmath-model`` still
+    names the run's output directory, not a hub organisation, so it fails at once."""
+    monkeypatch.chdir(tmp_path)
+    assert not looks_local("runs/wordmath-model")  # alone, it reads as ORG/NAME ...
+    assert looks_local("runs/wordmath-model", local_roots=("runs",))  # ... not beside a run
+    cfg = load_config(CPU_MATH, environ={})
+    with pytest.raises(ModelNotFound, match="'runs/wordmath-model' does not exist"):
+        check_run_paths(cfg)
+    cfg.output_dir = "elsewhere"  # then it may be a hub id: the model passes, the data not
+    with pytest.raises(DatasetNotFound, match="task.dataset"):
+        check_run_paths(cfg)
