@@ -220,8 +220,8 @@ def has_checkpoint(cfg: RunConfig) -> bool:
 
 
 def one_line(err: BaseException | str) -> str:
-    """An error's message on one line: ``invalid config:\n  a: x\n  b: y`` -> ``invalid
-    config: a: x; b: y``."""
+    """An error's message on one line: a head ending in a colon and indented lines under it
+    (``invalid config:``, ``a: x``, ``b: y``) become ``invalid config: a: x; b: y``."""
     parts = [line.strip() for line in str(err).splitlines() if line.strip()]
     if not parts:
         return type(err).__name__ if isinstance(err, BaseException) else ""
