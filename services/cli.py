@@ -415,7 +415,11 @@ def _eval(cfg: Any, args: argparse.Namespace) -> int:
     else:
         out = cfg.run_dir / "eval.json"
     try:
-        check_paths(cfg, "--checkpoint" if args.checkpoint else "model.name_or_path")
+        if cfg.model.name_or_path is not None:  # (the training datasets are not read here)
+            from reval.paths import check_model
+
+            check_model(cfg.model.name_or_path,
+                        "--checkpoint" if args.checkpoint else "model.name_or_path")  # fmt: skip
         from services.evaluate import run_eval
 
         report = run_eval(cfg, names, args.data, out, progress=not args.no_progress)
