@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from reval.config import ENV_PREFIX, ConfigError, RunConfig, load_config
+from services.errors import fail
 
 ALGO_OVERRIDES = {
     "reval": ["algo.name=reval"],
@@ -217,24 +218,6 @@ def _parser() -> argparse.ArgumentParser:
 def has_checkpoint(cfg: RunConfig) -> bool:
     """Whether the run directory holds a learner checkpoint to resume from."""
     return (cfg.run_dir / "checkpoints" / "latest").is_file()
-
-
-def one_line(err: BaseException | str) -> str:
-    """An error's message on one line: a head ending in a colon and indented lines under it
-    (``invalid config:``, ``a: x``, ``b: y``) become ``invalid config: a: x; b: y``."""
-    parts = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if not parts:
-        return type(err).__name__ if isinstance(err, BaseException) else ""
-    head, rest = parts[0], parts[1:]
-    if rest and head.endswith(":"):
-        return f"{head} {'; '.join(rest)}"
-    return "; ".join(parts)
-
-
-def fail(command: str, err: BaseException | str) -> int:
-    """``reval COMMAND: message`` on one line of stderr; exit status 2."""
-    print(f"reval {command}: {one_line(err)}", file=sys.stderr)
-    return 2
 
 
 SET_UP_ERRORS = (ConfigError, OSError, ValueError)

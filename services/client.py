@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             cfg = load_config(args.config, args.overrides)
         except ConfigError as err:
-            from services.cli import fail
+            from services.errors import fail
 
             return fail("runs", err)
         method = "POST"

@@ -44,7 +44,9 @@ def plot_curve(history: Sequence[dict[str, Any]], path: str | Path, title: str =
                 label="reference reset" if ax is ax1 and i == 0 else None,
             )
     ax1.legend(loc="lower right")
-    ax2.set_yscale("log")
+    # Log scale for the value losses (a square, > 0); GRPO's surrogate and an all-zero start
+    # (every reward 0, theta = ref) are not positive, and a log axis would warn and hide them.
+    ax2.set_yscale("log" if loss and all(v > 0 for v in loss) else "symlog")
     ax2.set_ylabel("loss")
     ax2.set_xlabel("round")
     ax2.grid(alpha=0.3)
