@@ -174,19 +174,29 @@ class MathTask:
             raise ValueError(f"task.kind=math needs {field} (a file or a dataset name)")
         # Without a tokenizer, characters bound tokens from above (a token is at most ~8 chars
         # for the tokenizers in use); with one, the templated prompt's tokens are counted.
-        task = cls.from_rows(
-            read_rows(cfg.dataset, cfg.split, field),
-            cfg.template,
-            tokenizer,
-            cfg.max_prompt_tokens * 8 if tokenizer is None else None,
-            cfg.max_prompt_tokens if tokenizer is not None else None,
-            PooledVerifier(
-                MathVerify(require_think=cfg.template == "r1_distill"),
-                workers=rollout.verifier_workers if rollout else 2,
-                timeout=rollout.verifier_timeout_s if rollout else 5.0,
-                registry=registry,
-            ),
+        rows = read_rows(cfg.dataset, cfg.split, field)
+        verifier = PooledVerifier(
+            MathVerify(require_think=cfg.template == "r1_distill"),
+            workers=rollout.verifier_workers if rollout else 2,
+            timeout=rollout.verifier_timeout_s if rollout else 5.0,
+            registry=registry,
         )
+        try:
+            task = cls.from_rows(
+                rows,
+                cfg.template,
+                tokenizer,
+                cfg.max_prompt_tokens * 8 if tokenizer is None else None,
+                cfg.max_prompt_tokens if tokenizer is not None else None,
+                verifier,
+            )
+        except ValueError as err:  # no row to train on: say which file, and what a row needs
+            verifier.close()
+            raise ValueError(
+                f"{field}: {cfg.dataset!r} ({cfg.split}) has {err}: each row needs a non-empty "
+                f"'problem' string and an 'answer', its prompt at most task.max_prompt_tokens "
+                f"({cfg.max_prompt_tokens}) tokens"
+            ) from None
         counter = TaskMetrics(registry).skipped
         for reason, n in task.skipped.items():
             counter.labels(reason).inc(n)

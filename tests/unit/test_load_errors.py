@@ -210,5 +210,19 @@ def test_on_a_fresh_clone_the_output_dir_marks_a_path_local(tmp_path, monkeypatc
     with pytest.raises(ModelNotFound, match="'runs/wordmath-model' does not exist"):
         check_run_paths(cfg)
     cfg.output_dir = "elsewhere"  # then it may be a hub id: the model passes, the data not
-    with pytest.raises(DatasetNotFound, match="task.dataset"):
+    with pytest.raises(DatasetNotFound, match=r"task\.dataset"):
         check_run_paths(cfg)
+
+
+def test_a_dataset_with_no_usable_row_names_the_field_the_file_and_what_a_row_needs(tmp_path):
+    from rollout.math_task import MathTask
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n{"problem": "", "answer": "3"}\n')
+    cfg = TaskConfig(kind="math", dataset=str(data))
+    with pytest.raises(ValueError) as err:
+        MathTask.from_config(cfg)
+    message = str(err.value)
+    assert message.startswith(f"task.dataset: {str(data)!r} (train) has no usable rows")
+    assert "'missing_field': 1" in message and "'empty_problem': 1" in message
+    assert "'problem'" in message and "\n" not in message
