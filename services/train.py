@@ -113,8 +113,9 @@ def train(
         compute_dtype=compute_dtype(cfg.model),
     )
     # A fresh run: a Redis run of the same name starts empty.
+    buffer_metrics = BufferMetrics(metrics.registry)
     buffer = make_buffer(
-        cfg.buffer, cfg.name, cfg.seed, BufferMetrics(metrics.registry), True,
+        cfg.buffer, cfg.name, cfg.seed, buffer_metrics, True,
         samples_per_insert=cfg.samples_per_insert,
     )  # fmt: skip
     source = BatchSource.from_config(buffer, cfg)
@@ -200,6 +201,8 @@ def train(
         for key in ("update", "policy_version", "ref_version", "batch_size"):
             upd.pop(key, None)
         held = buffer.items()
+        stats = buffer.stats()
+        buffer_metrics.observe_stats(stats)
         record: dict[str, Any] = {
             "round": rnd,
             "policy_version": learner.step,
@@ -207,6 +210,8 @@ def train(
             "tokens": result.tokens,
             "buffer_size": len(buffer),
             "evicted": evicted,
+            "buffer_evicted_unused": stats.evicted_unused,
+            "buffer_reuse": stats.reuse,
             "updates": done,
             **upd,
             "use_count_mean": sum(t.use_count for t in held) / max(len(held), 1),

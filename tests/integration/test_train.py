@@ -66,6 +66,7 @@ def test_reval_learns_oneshot_and_writes_artifacts(tmp_path):
     assert rows[-1]["policy_version"] == 30  # K=2 updates per round
     assert rows[-1]["ref_version"] == 3  # reset every 5 rounds
     assert rows[-1]["use_count_mean"] > 1.0  # trajectories are reused
+    assert rows[-1]["buffer_reuse"] == pytest.approx(cfg.samples_per_insert)  # K as configured
     assert (run / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run / "config.json").read_text())["learner"]["rounds"] == 15
     model = AutoModelForCausalLM.from_pretrained(run / "final")
@@ -73,6 +74,7 @@ def test_reval_learns_oneshot_and_writes_artifacts(tmp_path):
     assert model.config.vocab_size == len(tok)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "reval_train_round 15.0" in body
+    assert f"reval_buffer_samples_per_insert {cfg.samples_per_insert}" in body
     assert "reval_learner_updates_total 30.0" in body
 
 
