@@ -45,6 +45,9 @@ from rollout.tasks import Task, build_task
 
 log = logging.getLogger("reval.rollout")
 
+AHEAD_LOG_S = 30.0
+"""A worker that has waited this long for the learner (``buffer.generate_ahead``) says so once."""
+
 
 class RolloutMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -201,8 +204,10 @@ class RolloutWorker:
         self.control = RunControl(self.client, b.key_prefix, cfg.name)
         self.paused = False
         self.status = "starting"
+        self._waiting_since: float | None = None
+        self._said_waiting = False
         """What the registration says: starting, running or paused."""
-        self.samples_per_insert: float | None = cfg.samples_per_insert
+        self.samples_per_insert: float = cfg.samples_per_insert
         """K of the limiter (live changes followed): what ``generate_ahead`` measures against."""
         self.last_tick = time.monotonic()
         self._heartbeat: threading.Thread | None = None
@@ -378,15 +383,28 @@ class RolloutWorker:
                     self._register()
                 if self._ahead():
                     t_wait = time.monotonic()
+                    self._say_waiting(t_wait)
                     self.stop.wait(0.05)
                     self.metrics.ahead_wait.inc(time.monotonic() - t_wait)
                     continue
+                self._waiting_since = None
                 t0 = time.monotonic()
                 self._batch(n_prompts)
                 self.stats.busy_s += time.monotonic() - t0
         finally:
             self.shutdown()
         return self.stats
+
+    def _say_waiting(self, now: float) -> None:
+        """One log line when the worker has waited for the learner for a while (a worker run
+        with no learner, say, would otherwise look stuck)."""
+        if self._waiting_since is None:
+            self._waiting_since, self._said_waiting = now, False
+        elif now - self._waiting_since > AHEAD_LOG_S and not self._said_waiting:
+            self._said_waiting = True
+            log.info("worker %s: waiting for the learner: generation is %s samples ahead of it "
+                     "(buffer.generate_ahead; \"off\" lets workers run unpaced)",
+                     self.worker_id, self.cfg.generate_ahead(self.samples_per_insert))  # fmt: skip
 
     def _ahead(self) -> bool:
         """Whether generation is more than ``buffer.generate_ahead`` samples ahead of the

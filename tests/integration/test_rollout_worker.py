@@ -41,6 +41,7 @@ WORKER = [
     "buffer.capacity=5000",
     "learner.batch_size=32",
     "metrics.progress=false",
+    "buffer.generate_ahead=off",  # no learner here: the workers must not wait for one
 ]
 
 
@@ -475,3 +476,43 @@ def test_worker_refuses_a_bad_task_setup(tmp_path, redis_url, redis_prefix):
     worker = RolloutWorker(cfg, "wbad")
     with pytest.raises(ValueError, match="task setup cannot be used"):
         worker.run(max_batches=1)
+
+
+def test_a_worker_waits_one_learner_round_ahead_by_default(
+    tmp_path, redis_url, redis_prefix, monkeypatch, caplog
+):
+    """The default pacing (``buffer.generate_ahead`` unset): K = 4 updates of 32 per round of
+    32 x 4 is a reuse of 1, so a worker may run 1 x 128 samples ahead of the
+    learner: 4 batches of 40 with no learner, then it waits (and says so), and one more batch
+    once a learner samples 32."""
+    import rollout.worker
+
+    monkeypatch.setattr(rollout.worker, "AHEAD_LOG_S", 0.3)
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix, "buffer.generate_ahead=null",
+                     "learner.updates_per_round=4")  # fmt: skip
+    assert (cfg.samples_per_insert, cfg.generate_ahead()) == (1.0, 128)
+    publish(cfg, 0)
+    worker = RolloutWorker(cfg, "wp")
+    ring = ring_of(cfg)
+
+    def settled(inserted: int) -> None:
+        deadline = time.monotonic() + 60
+        while ring.stats().inserted < inserted:
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.05)
+        time.sleep(1.0)  # and no more
+        assert ring.stats().inserted == inserted
+
+    t = threading.Thread(target=worker.run)
+    with caplog.at_level("INFO", logger="reval.rollout"):
+        t.start()
+        try:
+            settled(160)
+            assert "waiting for the learner" in caplog.text
+            ring.sample(32)  # the learner's share of one batch
+            settled(200)
+        finally:
+            worker.stop.set()
+            t.join(60)
+    waited = worker.metrics.registry.get_sample_value("reval_rollout_ahead_wait_seconds_total")
+    assert waited > 1.0
