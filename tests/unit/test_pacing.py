@@ -18,10 +18,10 @@ def cfg_of(*overrides: str):
 
 
 def test_generate_ahead_is_one_learner_round_by_default():
-    cfg = cfg_of()  # the demo: K = 4 updates of 256 on rounds of 32 x 16 = 512
+    cfg = cfg_of()  # the demo: K = 5 updates of 256 on rounds of 32 x 16 = 512
     assert cfg.buffer.generate_ahead is None
-    assert cfg.samples_per_insert == 2.0
-    assert cfg.generate_ahead() == 4 * 256 == cfg.samples_per_insert * cfg.round_size
+    assert cfg.samples_per_insert == 2.5
+    assert cfg.generate_ahead() == 5 * 256 == cfg.samples_per_insert * cfg.round_size
     assert cfg.generate_ahead(3.0) == 3 * 512  # a live K is followed
     assert cfg_of("buffer.generate_ahead=100").generate_ahead(3.0) == 100
     assert cfg_of("buffer.generate_ahead=off").generate_ahead() is None
@@ -34,7 +34,7 @@ def test_generate_ahead_is_one_learner_round_by_default():
 @pytest.mark.parametrize(
     ("overrides", "fresh"),
     [
-        ((), 2),  # the demo: rounds of 512, B = 256: two updates take the round
+        ((), 2),  # the demo: rounds of 512, B = 256: two of its five updates take the round
         (("learner.batch_size=512",), 1),  # the paper: B = one round
         (("learner.batch_size=200",), 2),  # whole batches only: 400 of the 512
         (("learner.first_update_fresh=false",), 0),
