@@ -685,8 +685,9 @@ def token_problem(token: str) -> str | None:
     return None
 
 
-def serve(cfg: ApiConfig, ray: bool = False, replicas: int = 1) -> int:
-    """``reval serve``: uvicorn on ``cfg.host:cfg.port`` (or Ray Serve with ``ray``)."""
+def serve(cfg: ApiConfig, ray: bool = False, replicas: int = 1, access_log: bool = False) -> int:
+    """``reval serve``: uvicorn on ``cfg.host:cfg.port`` (or Ray Serve with ``ray``). No line per
+    request unless ``access_log``: ``reval_api_requests_total`` counts them."""
 
     token = os.environ.get(cfg.token_env, "")
     problem = token_problem(token)
@@ -705,7 +706,8 @@ def serve(cfg: ApiConfig, ray: bool = False, replicas: int = 1) -> int:
         return 0
     import uvicorn
 
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info")
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info",
+                access_log=access_log)  # fmt: skip
     return 0
 
 

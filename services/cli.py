@@ -191,6 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--ray-address", help="RAY_ADDRESS for the runs it launches")
     sv.add_argument("--auth-reads", action="store_true", help="reads need the token too")
     sv.add_argument("--dev", action="store_true", help="allow an empty/default token (dev only)")
+    sv.add_argument("--access-log", action="store_true", help="log a line per request")
     sv.add_argument(
         "--ray",
         action="store_true",
@@ -380,7 +381,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as err:
         print(f"reval serve: {err}", file=sys.stderr)
         return 2
-    return serve(cfg, ray=args.ray, replicas=args.replicas)
+    return serve(cfg, ray=args.ray, replicas=args.replicas, access_log=args.access_log)
 
 
 def _eval(cfg: Any, args: argparse.Namespace) -> int:

@@ -47,10 +47,11 @@ def test_runs_client_against_a_live_api(tmp_path, redis_url, redis_prefix):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "REVAL_API_TOKEN": TOKEN, "REVAL_API_URL": f"http://127.0.0.1:{port}"}
+    server_log = tmp_path / "serve.log"
     api = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--redis-url",
          redis_url, "--key-prefix", redis_prefix, "--output-dir", str(tmp_path)],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=ROOT, env=env, stdout=server_log.open("wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
@@ -72,6 +73,8 @@ def test_runs_client_against_a_live_api(tmp_path, redis_url, redis_prefix):
         assert json.loads(got.stdout)["phase"] == "registered"
         assert "HTTP Request" not in got.stdout + got.stderr  # no per-request log lines
         assert "HTTP Request" in reval("runs", "--verbose", "get", "cli", env=env).stderr
+        assert "Uvicorn running" in server_log.read_text()  # the server logs, but no request
+        assert "GET /v1/runs" not in server_log.read_text()
         # Errors come back with the API's code and message, exit status 1.
         paused = reval("runs", "pause", "cli", env=env)
         assert paused.returncode == 1 and "409" in paused.stderr
