@@ -229,7 +229,8 @@ class BufferConfig(_Section):
     samples under the limiter (``samples_per_insert * inserted - sampled``): generation runs at
     most this far ahead of training, so each trajectory is used K times also when the learner is
     the slower side (Reverb's rate limiter blocks the faster side the same way). Unset: one
-    learner round's worth, ``samples_per_insert * round_size`` (``RunConfig.generate_ahead``).
+    learner round's worth, ``samples_per_insert * round_size`` (``RunConfig.generate_ahead``; at
+    least what the learner's first batch needs held).
     ``"off"``: workers never wait for the learner (what they generate faster than it trains is
     used fewer than K times, or evicted unused)."""
     rate_slack: int = Field(0, ge=0)
@@ -491,15 +492,21 @@ class RunConfig(_Section):
 
     def generate_ahead(self, samples_per_insert: float | None = None) -> int | None:
         """Samples the learner may owe before rollout workers wait (``buffer.generate_ahead``):
-        when unset, one learner round, ``samples_per_insert * round_size`` (with the K in force,
-        ``samples_per_insert``, when a live change gave another); None when ``"off"``."""
+        when unset, one learner round, ``samples_per_insert * round_size``, or what its first
+        batch needs held if that is more (with the K in force, ``samples_per_insert``, when a
+        live change gave another); None when ``"off"``."""
         ahead = self.buffer.generate_ahead
         if ahead == "off":
             return None
         if ahead is None:
             k = self.samples_per_insert if samples_per_insert is None else samples_per_insert
-            return math.ceil(k * self.round_size)
+            return math.ceil(k * max(self.round_size, self._first_sample_needs))
         return ahead
+
+    @property
+    def _first_sample_needs(self) -> int:
+        """Trajectories the learner needs held before its first batch."""
+        return max(self.batch_size, self.buffer.min_size_to_sample)
 
     @property
     def run_dir(self) -> Path:
@@ -522,6 +529,15 @@ class RunConfig(_Section):
                 f"learner.batch_size ({self.batch_size}) exceeds one round "
                 f"({self.round_size} = rollout.prompts_per_round * rollout.n) while "
                 "learner.first_update_fresh is set"
+            )
+        ahead = self.buffer.generate_ahead
+        if isinstance(ahead, int) and ahead < self.samples_per_insert * self._first_sample_needs:
+            need = self._first_sample_needs
+            raise ValueError(
+                f"buffer.generate_ahead ({ahead}) stops the workers before the learner can draw "
+                f"its first batch: it needs {need} trajectories held (learner.batch_size, "
+                f"buffer.min_size_to_sample), samples_per_insert x {need} = "
+                f"{self.samples_per_insert * need:g} samples ahead; raise it, or leave it unset"
             )
         if self.algo.name == "grpo" and self.buffer.prioritized:
             raise ValueError(

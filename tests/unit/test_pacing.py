@@ -23,12 +23,25 @@ def test_generate_ahead_is_one_learner_round_by_default():
     assert cfg.samples_per_insert == 2.5
     assert cfg.generate_ahead() == 5 * 256 == cfg.samples_per_insert * cfg.round_size
     assert cfg.generate_ahead(3.0) == 3 * 512  # a live K is followed
-    assert cfg_of("buffer.generate_ahead=100").generate_ahead(3.0) == 100
+    assert cfg_of("buffer.generate_ahead=5000").generate_ahead(3.0) == 5000
     assert cfg_of("buffer.generate_ahead=off").generate_ahead() is None
-    assert cfg_of("buffer.generate_ahead=0").generate_ahead() == 0
     for bad in ("-1", "soon"):
         with pytest.raises(ConfigError, match="generate_ahead"):
             cfg_of(f"buffer.generate_ahead={bad}")
+
+
+def test_the_workers_never_stop_before_the_learner_can_sample():
+    """Workers stop ``generate_ahead / K`` trajectories ahead of a learner that has not sampled
+    yet: at least the first batch it needs (``batch_size``, ``min_size_to_sample``), derived or
+    checked, else both sides would wait on each other."""
+    cfg = cfg_of("rollout.prompts_per_round=1", "learner.batch_size=16",
+                 "buffer.min_size_to_sample=64", "learner.first_update_fresh=false")  # fmt: skip
+    assert cfg.round_size == 16 and cfg.samples_per_insert == 5.0
+    assert cfg.generate_ahead() == 5 * 64  # not 5 x 16: the learner waits for 64 held
+    with pytest.raises(ConfigError, match=r"generate_ahead \(0\) stops the workers"):
+        cfg_of("buffer.generate_ahead=0")
+    with pytest.raises(ConfigError, match=r"needs 256 trajectories held"):
+        cfg_of("buffer.generate_ahead=600")  # the demo: K = 2.5 x 256 = 640 needed
 
 
 @pytest.mark.parametrize(
