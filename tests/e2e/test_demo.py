@@ -33,11 +33,12 @@ def test_shortened_demo_learns_addition(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 3])
+@pytest.mark.parametrize("seed", [0, 2])
 def test_full_demo_learns_on_every_seed(tmp_path, seed):
-    """`make demo` with another seed (about two minutes each here). Seeds 1 and 3 are the slow
-    ones of the heads-of-32 model: 0.85 and 0.90 at round 600 (docs/demo.md, "Heads vLLM can
-    serve"); with the earlier model and sampling at 1.0, seed 3 levelled off near 0.77."""
+    """`make demo` with a seed (about three minutes each here). Seeds 0 and 2 are the slow ones
+    of the K = 5 schedule: 0.89 and 0.94 at round 600 (docs/demo.md, "The whole round fresh");
+    with K = 4 and the round fresh, seed 1 stalled at 0.26, and with the earlier model and
+    sampling at 1.0, seed 3 levelled off near 0.77."""
     cfg = load_config(
         overrides=[f"seed={seed}", f"output_dir={tmp_path}", "metrics.progress=false"],
         environ={},
