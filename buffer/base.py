@@ -51,6 +51,8 @@ class BufferStats:
     """The learner's policy version, as last published with ``set_policy_version``."""
     evicted_unused: int = 0
     """Of ``evicted``, those never handed out: generation the learner never trained on."""
+    taken: int = 0
+    """Of ``sampled``, those handed out by ``take`` (each trajectory at most once)."""
 
     @property
     def reuse(self) -> float:

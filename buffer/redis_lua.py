@@ -2,7 +2,7 @@
 consumers can share a run. Keys of a run (one hash tag, so they share a cluster slot):
 
 - ``meta`` (hash): capacity, head, tail, evicted, evicted_unused (evicted with a use count of
-  0), sampled, rejected, dropped, version, maxp, leaves
+  0), sampled, taken (of those, by ``take``), rejected, dropped, version, maxp, leaves
 - ``dig`` (sorted set): digest of each inserted chunk's trajectory ids -> its first position
   (trimmed below the tail), so a producer's retry of a chunk that had landed is not stored twice
 - ``tree`` (hash): the sum tree of priorities, node -> sum (prioritized runs only)

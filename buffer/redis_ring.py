@@ -882,6 +882,7 @@ class RedisRing:
                 resp.pack("HGET", k.meta, "tail"),
                 resp.bitfield_u32(k.use, [p % cap for p in picked], TAKEN + 1),
                 resp.pack("HINCRBY", k.meta, "sampled", len(picked)),
+                resp.pack("HINCRBY", k.meta, "taken", len(picked)),
             ]
         )
         tail_now = int(res[0] or 0)
@@ -891,6 +892,7 @@ class RedisRing:
                 [
                     resp.bitfield_u32(k.use, [p % cap for p in picked], -(TAKEN + 1)),
                     resp.pack("HINCRBY", k.meta, "sampled", -len(picked)),
+                    resp.pack("HINCRBY", k.meta, "taken", -len(picked)),
                 ]
             )
             return f"{len(gone)} fresh trajectories were evicted while being taken"
@@ -1071,6 +1073,7 @@ class RedisRing:
             "evicted",
             "evicted_unused",
             "sampled",
+            "taken",
             "rejected",
             "dropped",
             "version",
@@ -1084,6 +1087,7 @@ class RedisRing:
             evicted=v["evicted"],
             evicted_unused=v["evicted_unused"],
             sampled=v["sampled"],
+            taken=v["taken"],
             rejected=v["rejected"],
             dropped_stale=v["dropped"],
             policy_version=v["version"],

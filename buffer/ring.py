@@ -64,6 +64,7 @@ class MemoryRing:
         self._evicted = 0
         self._evicted_unused = 0
         self._sampled = 0
+        self._taken_count = 0
         self._rejected = 0
         self._dropped = 0
         self._version = 0
@@ -268,6 +269,7 @@ class MemoryRing:
             picked, waited, dropped = self._until(attempt, batch_size, start + timeout)
             for pos in picked:
                 self._taken[pos % self._capacity] = True
+            self._taken_count += len(picked)
             out, version, size = self._hand_out(picked)
         weights = np.ones(len(out), dtype=np.float32)
         batch = self._batch(out, weights, version, size, dropped, waited, start)
@@ -392,6 +394,7 @@ class MemoryRing:
             self._taken = [False] * self._capacity
             self._index.clear()
             self._head = self._tail = self._evicted = self._evicted_unused = self._sampled = 0
+            self._taken_count = 0
             self._rejected = self._dropped = self._version = 0
             self._tree = SumTree(self._capacity) if self.prioritized else None
             self._max_priority = 1.0
@@ -406,6 +409,7 @@ class MemoryRing:
                 evicted=self._evicted,
                 evicted_unused=self._evicted_unused,
                 sampled=self._sampled,
+                taken=self._taken_count,
                 rejected=self._rejected,
                 dropped_stale=self._dropped,
                 policy_version=self._version,

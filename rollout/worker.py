@@ -408,7 +408,10 @@ class RolloutWorker:
 
     def _ahead(self) -> bool:
         """Whether generation is more than ``buffer.generate_ahead`` samples ahead of the
-        learner under the limiter (then the worker waits: each trajectory is used K times)."""
+        learner under the limiter (then the worker waits: each trajectory is used K times),
+        unless the learner's fresh updates would run short: fewer never-taken trajectories are
+        held than one round of them takes (a schedule that cannot reach K, e.g. every update
+        fresh with ``buffer.samples_per_insert`` above 1, would otherwise wait on both sides)."""
         limit = self.cfg.generate_ahead(self.samples_per_insert)
         if limit is None:
             return False
@@ -416,7 +419,10 @@ class RolloutWorker:
             st = self.ring.stats()
         except (redis.ConnectionError, redis.TimeoutError, ConnectionError):
             return False  # Redis away: generate; the ring spools
-        return self.samples_per_insert * st.inserted - st.sampled > limit
+        if self.samples_per_insert * st.inserted - st.sampled <= limit:
+            return False
+        untaken = st.inserted - st.taken - st.evicted_unused
+        return untaken >= self.cfg.fresh_updates * self.cfg.batch_size
 
     def _batch(self, n_prompts: int) -> None:
         dealt = self.dealer.take(n_prompts)

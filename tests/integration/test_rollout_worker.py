@@ -516,3 +516,34 @@ def test_a_worker_waits_one_learner_round_ahead_by_default(
             t.join(60)
     waited = worker.metrics.registry.get_sample_value("reval_rollout_ahead_wait_seconds_total")
     assert waited > 1.0
+
+
+def test_pacing_never_starves_a_schedule_of_fresh_batches(tmp_path, redis_url, redis_prefix):
+    """Every update takes fresh trajectories (K = 1 of B = one round) while the limiter allows a
+    reuse of 4: the learner can only use each trajectory once, so the samples it "owes" never
+    come. The worker goes on while fewer never-taken trajectories are held than a round of fresh
+    updates takes (by the owed samples alone both sides would wait), and no further."""
+    from learner.batches import BatchSource
+
+    cfg = worker_cfg(
+        tmp_path, redis_url, redis_prefix, "buffer.generate_ahead=null",
+        "buffer.samples_per_insert=4", "rollout.prompts_per_round=4", "rollout.worker_prompts=4",
+        "learner.batch_size=16", "learner.updates_per_round=1",
+    )  # fmt: skip
+    assert (cfg.fresh_updates, cfg.generate_ahead()) == (1, 64)
+    publish(cfg, 0)
+    worker = RolloutWorker(cfg, "wf")
+    ring = ring_of(cfg)
+    source = BatchSource.from_config(ring, cfg)
+    t = threading.Thread(target=worker.run)
+    t.start()
+    try:
+        for _ in range(8):
+            assert source.next(timeout=60).fresh
+            time.sleep(0.2)  # a learner slower than the worker
+        st = ring.stats()
+        assert st.taken == 8 * 16 and 4 * st.inserted - st.sampled > 64  # far "ahead" ...
+        assert st.inserted - st.taken <= 3 * 16  # ... yet it waited while fresh ones were held
+    finally:
+        worker.stop.set()
+        t.join(60)
