@@ -12,11 +12,13 @@ updates the run is stopped and, from its ``learner.jsonl``, the bench reports:
 - the realised samples per insert (``buffer_sampled / buffer_inserted``) against the configured
   ratio (``RunConfig.samples_per_insert``),
 - the share of evicted trajectories that were evicted never used,
-- the batch success rate over the last 100 updates,
+- the batch success rate over the last 100 updates, and how many updates old the fresh batches
+  among them were (``fresh_staleness``),
 
 and, with ``--compare DIR`` (``reval train`` runs of the same config, one ``DIR/demo-s<seed>``
 each), the one-process loop's batch success rate over the same updates (its rounds make
-``updates_per_round`` updates each). Figures go into docs/rollout.md, "Reuse by default".
+``updates_per_round`` updates each). ``--set KEY=VALUE`` adds overrides to the runs' config
+(e.g. ``buffer.generate_ahead=640``). Figures go into docs/rollout.md, "Reuse by default".
 """
 
 from __future__ import annotations
@@ -67,7 +69,22 @@ def get_run(url: str, name: str, env: dict[str, str]) -> dict[str, Any]:
     return dict(r.json())
 
 
-def service_run(seed: int, updates: int, workers: int, redis_url: str, out: Path) -> dict[str, Any]:
+def learner_rows(path: Path) -> list[dict[str, Any]]:
+    """The learner's rows so far (the line it is writing, if any, left out)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break  # half written
+    return rows
+
+
+def service_run(
+    seed: int, updates: int, workers: int, redis_url: str, out: Path, sets: list[str]
+) -> dict[str, Any]:
     prefix = f"reval-bench-{uuid.uuid4().hex[:8]}:"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -89,7 +106,8 @@ def service_run(seed: int, updates: int, workers: int, redis_url: str, out: Path
             time.sleep(0.5)
         made = reval("runs", "--url", url, "create", "--config", "configs/demo.toml",
                      "--set", "buffer.backend=redis", "--set", f"name={name}",
-                     "--set", f"seed={seed}", "--workers", str(workers), env=env)  # fmt: skip
+                     "--set", f"seed={seed}", *[x for kv in sets for x in ("--set", kv)],
+                     "--workers", str(workers), env=env)  # fmt: skip
         assert made.returncode == 0, made.stderr + made.stdout
         pid = json.loads(made.stdout)["pid"]
         rows: list[dict[str, Any]] = []
@@ -97,8 +115,7 @@ def service_run(seed: int, updates: int, workers: int, redis_url: str, out: Path
             time.sleep(5)
             run = get_run(url, name, env)
             assert run["phase"] in ("starting", "running"), run
-            path = out / name / "learner.jsonl"
-            rows = read_jsonl(path) if path.exists() else []
+            rows = learner_rows(out / name / "learner.jsonl")
         elapsed = time.monotonic() - t0
         reval("runs", "--url", url, "stop", name, env=env)
         deadline = time.monotonic() + 180
@@ -119,6 +136,7 @@ def service_run(seed: int, updates: int, workers: int, redis_url: str, out: Path
     cfg = load_config(ROOT / "configs" / "demo.toml", environ={})
     last = rows[updates - 1]
     window = rows[updates - WINDOW : updates]
+    fresh = [r for r in window if r.get("fresh")]
     return {
         "seed": seed,
         "updates": updates,
@@ -130,6 +148,7 @@ def service_run(seed: int, updates: int, workers: int, redis_url: str, out: Path
             last["buffer_evicted_unused"] / max(last["buffer_evicted"], 1), 4
         ),
         "batch_success": round(sum(r["batch_success_rate"] for r in window) / len(window), 3),
+        "fresh_staleness": round(sum(r["staleness_mean"] for r in fresh) / max(len(fresh), 1), 1),
     }
 
 
@@ -153,12 +172,20 @@ def main() -> int:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--compare", help="directory of `reval train` runs named demo-s<seed>")
     p.add_argument("--out", help="where the runs go (default: a temporary directory)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another override of the runs' config (e.g. buffer.generate_ahead=640)",
+    )
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="reval-reuse-"))
     out.mkdir(parents=True, exist_ok=True)
     per_round = load_config(ROOT / "configs" / "demo.toml", environ={}).learner.updates_per_round
     for seed in args.seeds:
-        res = service_run(seed, args.updates, args.workers, args.redis_url, out)
+        res = service_run(seed, args.updates, args.workers, args.redis_url, out, args.sets)
         if args.compare:
             res["one_process_batch_success"] = one_process(
                 Path(args.compare) / f"demo-s{seed}", args.updates, per_round
