@@ -135,15 +135,20 @@ def check_dataset(source: str, field: str = "task.dataset") -> Path | None:
     )
 
 
-def check_run_paths(cfg: RunConfig, model_field: str = "model.name_or_path") -> None:
+def check_run_paths(
+    cfg: RunConfig, model_field: str = "model.name_or_path", held_out: bool = False
+) -> None:
     """Every local path a run reads, checked before torch is imported: ``model.name_or_path``
-    (named ``model_field``: ``--checkpoint`` for ``reval eval``), and ``task.dataset`` and
-    ``eval.dataset`` of a math task. Raises ``ModelNotFound``, ``DatasetNotFound`` or a
-    ValueError, each one line naming the field."""
+    (named ``model_field``: ``--checkpoint`` for ``reval eval``), ``task.dataset`` of a math
+    task and, with ``held_out`` (``reval train``, which evaluates on it), its ``eval.dataset``.
+    Raises ``ModelNotFound``, ``DatasetNotFound`` or a ValueError, each one line naming the
+    field."""
     if cfg.model.name_or_path is not None:
         check_model(cfg.model.name_or_path, model_field, local_roots=(cfg.output_dir,))
     if cfg.task.kind == "math":
-        for field, source in (("task.dataset", cfg.task.dataset), ("eval.dataset",
-                                                                    cfg.eval.dataset)):  # fmt: skip
+        sources = [("task.dataset", cfg.task.dataset)]
+        if held_out:
+            sources.append(("eval.dataset", cfg.eval.dataset))
+        for field, source in sources:
             if source is not None:
                 check_dataset(source, field)

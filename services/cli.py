@@ -226,12 +226,15 @@ SET_UP_ERRORS = (ConfigError, OSError, ValueError)
 OSError; ConfigError a ValueError): one line and exit status 2, never a traceback."""
 
 
-def check_paths(cfg: RunConfig, model_field: str = "model.name_or_path") -> None:
-    """The local paths the run reads (its model, a math task's datasets), checked before torch
-    is imported (``reval/paths.py``): a missing one raises at once instead of reaching the hub."""
+def check_paths(
+    cfg: RunConfig, model_field: str = "model.name_or_path", held_out: bool = False
+) -> None:
+    """The local paths the command reads (its model, a math task's dataset, with ``held_out``
+    the held-out one too), checked before torch is imported (``reval/paths.py``): a missing one
+    raises at once instead of reaching the hub."""
     from reval.paths import check_run_paths
 
-    check_run_paths(cfg, model_field)
+    check_run_paths(cfg, model_field, held_out)
 
 
 def _sets_name(overrides: Sequence[str]) -> bool:
@@ -307,7 +310,7 @@ def _train(cfg: RunConfig, args: argparse.Namespace) -> int:
         return fail("train", f"{cfg.run_dir} holds another run: {problem}; give this one a new "
                     f"name (--set name={cfg.name}-2) or replace it (--overwrite)")  # fmt: skip
     try:
-        check_paths(cfg)
+        check_paths(cfg, held_out=True)
         from services.train import prepare
 
         prepared = prepare(cfg)

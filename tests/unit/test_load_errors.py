@@ -138,11 +138,12 @@ def test_the_run_paths_are_checked_without_torch(project):
         (project / "runs" / "wordmath-model" / name).write_text("{}")
     check_run_paths(cfg)  # the preset's paths once made
     cfg.eval.dataset = "runs/wordmath-data/tset.jsonl"
-    with pytest.raises(
+    check_run_paths(cfg)  # a learner or a worker does not read the held-out file ...
+    with pytest.raises(  # ... `reval train` evaluates on it
         DatasetNotFound,
         match=r"^eval\.dataset: .* \(did you mean 'runs/wordmath-data/test\.jsonl'\?\)",
     ):
-        check_run_paths(cfg)
+        check_run_paths(cfg, held_out=True)
 
 
 def test_a_mistyped_dataset_says_the_file_does_not_exist(project, monkeypatch):
