@@ -32,29 +32,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from reval.paths import free_space, last_line
+
 STATE_FILE = "reval_state.json"
 PARTIAL = ".partial"
 
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, read-only, gone); nothing of it is left."""
-
-
-def _free_space(path: Path) -> str:
-    """Free space on the file system that holds ``path`` (its nearest existing ancestor)."""
-    for p in (path, *path.parents):
-        try:
-            free = shutil.disk_usage(p).free
-        except OSError:
-            continue
-        return f"{free / 2**30:.2f} GiB free on {p}"
-    return "free space unknown"
-
-
-def _reason(err: BaseException) -> str:
-    """The last line of an error (DCP wraps each rank's traceback in one long message)."""
-    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else type(err).__name__
 
 
 def _state_dict(model: nn.Module, reference: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -103,7 +88,7 @@ def save_checkpoint(
         error = err
     if lead and error is not None:
         shutil.rmtree(partial, ignore_errors=True)
-    reason = None if error is None else _reason(error)
+    reason = None if error is None else last_line(error)
     if _distributed():  # every rank learns whether rank 0's part (the rename) failed
         box = [reason]
         dist.broadcast_object_list(box, src=0)
@@ -111,7 +96,7 @@ def save_checkpoint(
         dist.barrier()
     if reason is not None:
         raise CheckpointWriteError(
-            f"could not write checkpoint {path} ({_free_space(ckpt_dir)}): {reason}"
+            f"could not write checkpoint {path} ({free_space(ckpt_dir)}): {reason}"
         ) from None
     return path
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path, PureWindowsPath
 from typing import TYPE_CHECKING
@@ -152,3 +153,23 @@ def check_run_paths(
         for field, source in sources:
             if source is not None:
                 check_dataset(source, field)
+
+
+def free_space(path: str | Path) -> str:
+    """Free space on the file system that holds ``path`` (its nearest existing ancestor), for
+    the one-line message of a write that failed (``N.NN GiB free on DIR``)."""
+    path = Path(path)
+    for p in (path, *path.parents):
+        try:
+            free = shutil.disk_usage(p).free
+        except OSError:
+            continue
+        return f"{free / 2**30:.2f} GiB free on {p}"
+    return "free space unknown"
+
+
+def last_line(err: BaseException) -> str:
+    """The last line of an error, at most 300 characters (libraries wrap tracebacks in their
+    messages)."""
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else type(err).__name__

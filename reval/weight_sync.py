@@ -41,6 +41,7 @@ from torch import Tensor
 
 from reval.broadcast import BroadcastHub, BroadcastReceiver, parse_address
 from reval.config import RunConfig
+from reval.paths import free_space, last_line
 from reval.retry import retry_redis
 from reval.weights import unpack_bucket
 
@@ -51,6 +52,11 @@ UNREADABLE: tuple[type[BaseException], ...] = (OSError, SafetensorError)
 0.8 raises FileNotFoundError (an OSError) for a missing file, OSError for other I/O faults
 (a stale handle on a shared volume), and SafetensorError (not an OSError, not a RuntimeError)
 for a file cut short; none of these may end a worker."""
+
+
+class WeightWriteError(OSError):
+    """A version's file could not be written (disk full, read-only, gone); nothing of it is
+    left, and it was not announced."""
 
 
 @dataclass(frozen=True)
@@ -109,10 +115,16 @@ class WeightStore:
             ptr = t.untyped_storage().data_ptr()
             tensors[name] = t.clone() if ptr in seen else t
             seen.add(ptr)
-        save_file(tensors, str(tmp), metadata={"version": str(version)})
-        now = time.time_ns()  # (the file system's own clock may tick only every few ms)
-        os.utime(tmp, ns=(now, now))
-        os.replace(tmp, path)
+        try:
+            save_file(tensors, str(tmp), metadata={"version": str(version)})
+            now = time.time_ns()  # (the file system's own clock may tick only every few ms)
+            os.utime(tmp, ns=(now, now))
+            os.replace(tmp, path)
+        except (OSError, SafetensorError) as err:  # a full disk, a read-only or vanished volume
+            tmp.unlink(missing_ok=True)
+            raise WeightWriteError(
+                f"could not write weights {path} ({free_space(self.dir)}): {last_line(err)}"
+            ) from None
         mapping: dict[str, Any] = {"version": version, "path": str(path), "time": time.time()}
         if broadcast:
             mapping["broadcast"] = broadcast
@@ -173,8 +185,8 @@ def _store(cfg: RunConfig, client: redis.Redis) -> WeightStore:
 @dataclass(frozen=True)
 class PublishResult:
     version: int
-    path: Path
-    """The version's file."""
+    path: Path | None
+    """The version's file (None: it could not be written, and the version was not published)."""
     nbytes: int
     """Bytes of the tensors published (one copy of the weights)."""
     receivers: int
@@ -206,7 +218,14 @@ class WeightPublisher:
         most the hub's timeout for a dead one)."""
         tensors = list(named_tensors)  # (read twice: the file, the broadcast)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        path = self.store.publish(tensors, version, broadcast=self.address)
+        try:
+            path = self.store.publish(tensors, version, broadcast=self.address)
+        except WeightWriteError as err:
+            # Training goes on; every worker keeps the last published version (the broadcast
+            # is skipped too: its members would otherwise be ahead of the announcement, which
+            # they follow back). The next version tries again.
+            log.error("%s; version %d not published, the workers keep the last one", err, version)
+            return PublishResult(version, None, 0, 0)
         receivers = self.hub.sync(tensors, version) if self.hub is not None else 0
         return PublishResult(version, path, nbytes, receivers)
 
