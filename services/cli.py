@@ -464,6 +464,9 @@ def _launch(cfg: Any, args: argparse.Namespace) -> int:
             return 1
         print(json.dumps(status), flush=True)
         return 0
+    refused = refuse_another_run(cfg, "launch", args.resume)
+    if refused is not None:
+        return refused
     try:
         check_paths(cfg)
     except SET_UP_ERRORS as err:
@@ -518,15 +521,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _rollout(cfg, args)
 
 
+def refuse_another_run(cfg: RunConfig, command: str, resume: bool) -> int | None:
+    """``reval learner`` and ``reval launch`` starting afresh (no ``--resume``) in a directory
+    that holds another run (``another_run``: a ``reval train`` of the same name, say) would
+    write their config and checkpoints over it: exit status 2 and the ways out, else None."""
+    problem = None if resume else another_run(cfg)
+    if problem is None:
+        return None
+    return fail(command, f"{cfg.run_dir} holds another run: {problem}; give this one a new name "
+                f"(--set name={cfg.name}-2), or continue that one (--resume)")  # fmt: skip
+
+
 def _learner(cfg: RunConfig, args: argparse.Namespace) -> int:
     if cfg.buffer.backend != "redis":
         return fail("learner", "the learner service needs buffer.backend=redis")
+    resume = args.resume or (args.resume_if_any and has_checkpoint(cfg))
+    refused = None if args.export else refuse_another_run(cfg, "learner", resume)
+    if refused is not None:
+        return refused
     try:
         check_paths(cfg)
         from learner.service import main as learner_main
         from services.setup import prepare_learner
 
-        resume = args.resume or (args.resume_if_any and has_checkpoint(cfg))
         if not args.export:
             cfg = prepare_learner(cfg, resume)
     except SET_UP_ERRORS as err:

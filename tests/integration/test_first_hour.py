@@ -86,6 +86,28 @@ def test_train_refuses_another_runs_directory_before_importing_torch(tmp_path):
     assert files(run) == before
 
 
+def test_the_service_refuses_a_one_process_runs_directory(tmp_path, redis_url, redis_prefix):
+    """`reval learner` (and `reval launch`) after `make demo`, on the same name without
+    `--resume`: it wrote its config over runs/demo's and moved `latest` to its own step 0; now
+    one line naming the ways out, and nothing touched."""
+    run = finished_demo(tmp_path)
+    before = files(run)
+    service = sets(
+        f"output_dir={tmp_path}",
+        "buffer.backend=redis",
+        f"buffer.redis_url={redis_url}",
+        f"buffer.key_prefix={redis_prefix}",
+    )
+    for command in ("learner", "launch"):
+        done = reval(command, *service, timeout=120)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"reval {command}: {run} holds another run")
+        assert "buffer.backend 'memory' -> 'redis'" in lines[0], lines[0]
+        assert "--set name=demo-2" in lines[0] and "--resume" in lines[0]
+    assert files(run) == before
+
+
 def test_the_same_run_again_is_not_another_run(tmp_path, monkeypatch):
     """`make demo` twice reruns in place; where the run goes and how it is watched do not make
     it another run; checkpoints with no config are another run's."""
