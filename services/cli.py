@@ -293,6 +293,13 @@ def another_run(cfg: RunConfig) -> str | None:
     except (OSError, ValueError):
         return "its config.json cannot be read"
     new = json.loads(json.dumps(public_dump(cfg)))
+    saved_model = old.get("model") if isinstance(old.get("model"), dict) else {}
+    if saved_model.get("name_or_path") == str(cfg.run_dir / "initial"):
+        # A learner's own preparation: it pretrained into the run's ``initial/`` and saved the
+        # config that loads it (services/setup.py); that is still this run.
+        for key in ("name_or_path", "pretrain_steps"):
+            if key in saved_model:
+                new["model"][key] = saved_model[key]
     diffs = _differences(old, new)
     if not diffs:
         return None
