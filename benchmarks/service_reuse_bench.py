@@ -69,19 +69,6 @@ def get_run(url: str, name: str, env: dict[str, str]) -> dict[str, Any]:
     return dict(r.json())
 
 
-def learner_rows(path: Path) -> list[dict[str, Any]]:
-    """The learner's rows so far (the line it is writing, if any, left out)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            break  # half written
-    return rows
-
-
 def service_run(
     seed: int, updates: int, workers: int, redis_url: str, out: Path, sets: list[str]
 ) -> dict[str, Any]:
@@ -115,7 +102,8 @@ def service_run(
             time.sleep(5)
             run = get_run(url, name, env)
             assert run["phase"] in ("starting", "running"), run
-            rows = learner_rows(out / name / "learner.jsonl")
+            path = out / name / "learner.jsonl"
+            rows = read_jsonl(path) if path.exists() else []
         elapsed = time.monotonic() - t0
         reval("runs", "--url", url, "stop", name, env=env)
         deadline = time.monotonic() + 180

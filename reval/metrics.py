@@ -51,8 +51,16 @@ class JsonlWriter:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with Path(path).open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """The rows of a JSONL file; a last line without its newline is one its writer is still
+    writing (a live run's log) and is left out when it does not parse yet."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except ValueError:
+            lines.pop()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 class TrainMetrics:

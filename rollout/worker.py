@@ -204,9 +204,9 @@ class RolloutWorker:
         self.control = RunControl(self.client, b.key_prefix, cfg.name)
         self.paused = False
         self.status = "starting"
+        """What the registration says: starting, running or paused."""
         self._waiting_since: float | None = None
         self._said_waiting = False
-        """What the registration says: starting, running or paused."""
         self.samples_per_insert: float = cfg.samples_per_insert
         """K of the limiter (live changes followed): what ``generate_ahead`` measures against."""
         self.last_tick = time.monotonic()
