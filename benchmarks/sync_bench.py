@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from reval.broadcast import BroadcastHub, BroadcastReceiver
-from reval.weights import pack_buckets
+from reval.weights.buckets import pack_buckets
+from reval.weights.collective import BroadcastHub, BroadcastReceiver
 
 
 def model_like(total_mb: int) -> list[tuple[str, torch.Tensor]]:

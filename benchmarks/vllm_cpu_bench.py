@@ -46,7 +46,7 @@ print(sum(p.numel() for p in model.parameters()))
 LEARNER = """
 import os, sys, time
 from safetensors.torch import load_file
-from reval.broadcast import BroadcastHub
+from reval.weights.collective import BroadcastHub
 weights = load_file(os.path.join(sys.argv[1], "model.safetensors"))
 hub = BroadcastHub(0, host="127.0.0.1", timeout_s=120, bucket_bytes=64 << 20)
 print(f"{hub.port}/{hub.secret}", flush=True)

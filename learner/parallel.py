@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from reval.broadcast import apply_nccl_env
 from reval.config import RunConfig
+from reval.weights.collective import apply_nccl_env
 
 
 def rank_device(env: Mapping[str, str], cuda_count: int, want: str = "auto") -> torch.device:

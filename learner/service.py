@@ -8,8 +8,9 @@ root). Rank 0 draws the batches from the replay service by the algorithm's rule
 losses, whole groups once for GRPO), prefetching the next while an update runs, and hands each
 rank its share (whole groups for GRPO); every rank updates on its share (FSDP averages the
 gradients) and rank 0 writes back the batch's cached reference quantities and priorities. After
-every ``sync.every`` updates the full weights are gathered on rank 0, written and announced to the
-rollout workers (``reval/weight_sync.py``). Checkpoints (``learner/checkpoint.py``, DCP) every
+every ``sync.every`` updates every rank sends the weights (``reval/weights/sender.py``: gathered
+in the compute dtype on the devices, broadcast from rank 0's device, the file written in the
+background). Checkpoints (``learner/checkpoint.py``, DCP) every
 ``learner.checkpoint_every`` updates and on SIGTERM; ``--resume`` continues with the same step,
 policy version, reference and optimizer state (the buffer is in Redis: nothing generated is
 lost). A consolidated Hugging Face checkpoint is exported at the end, on SIGUSR1 while it runs
@@ -58,7 +59,7 @@ from reval.control import LeaseHeld, RunControl, RunLease, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import compute_dtype, load_policy
 from reval.procs import follow_parent
-from reval.weight_sync import build_publisher
+from reval.weights.sender import build_sender
 
 log = logging.getLogger("reval.learner")
 
@@ -162,8 +163,9 @@ class LearnerService:
             gather=_gather if world > 1 else None,
         )
         self.writer = JsonlWriter(self.run_dir / "learner.jsonl") if self.rank == 0 else None
-        # The one weight publisher (files announced in Redis, and the broadcast when on).
-        self.publisher = build_publisher(cfg, self.client, self.device) if self.rank == 0 else None
+        # The one weight sender (every rank gathers; rank 0 broadcasts, writes and announces).
+        self.sender = build_sender(cfg, self.client if self.rank == 0 else None, self.rank,
+                                   self.device, compute_dtype(cfg.model))  # fmt: skip
         self.broadcast_to = 0
         self.saved_step = -1
         self.control = RunControl(self.client, cfg.buffer.key_prefix, cfg.name)
@@ -315,13 +317,11 @@ class LearnerService:
         return path
 
     def publish(self) -> None:
+        """Send the weights as the policy version (every rank: they gather together)."""
         t0 = time.perf_counter()
-        # The generators hold the compute dtype: publish in it (half the bytes of the masters).
-        dtype = compute_dtype(self.cfg.model)
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.full_state().items()}
-        if self.publisher is not None:
-            version = self.learner.step
-            done = self.publisher.publish(sd.items(), version)
+        version = self.learner.step
+        done = self.sender.send(self.model, version)
+        if self.rank == 0:
             self.metrics.sync_bytes.inc(done.nbytes)
             self.broadcast_to = done.receivers
             self.ring.set_policy_version(version)
@@ -435,8 +435,7 @@ class LearnerService:
         if finished and not (self.lease is not None and self.lease.lost.is_set()):
             self.export_hf(self.run_dir / "final")
         self._status("done" if finished else "stopped")
-        if self.publisher is not None:
-            self.publisher.close()
+        self.sender.close()
         return self.state
 
     def _quarantine_batch(self, batch: SampledBatch | None, err: Exception) -> None:

@@ -2,7 +2,8 @@
 
 An engine samples N answers per prompt and returns, per answer, the token ids, the behaviour
 log-prob of every sampled token under the distribution it was drawn from (temperature and top-p
-applied) and the finish reason. ``load_weights`` replaces the weights in place.
+applied) and the finish reason. Weights reach it through its ``receiver``
+(``reval.weights.receiver.WeightReceiver``): files and broadcasts, loaded in place.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from buffer.records import FinishReason
+from reval.weights.receiver import LocalReceiver, WeightReceiver
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class Sample:
 
 class GenerationEngine(Protocol):
     policy_version: int
+    receiver: WeightReceiver
+    """Where the worker's ``WeightSubscriber`` delivers weights (files, broadcasts)."""
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
@@ -46,12 +50,9 @@ class GenerationEngine(Protocol):
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Copy new weights in place and set the policy version. The tensors may be views of
-        buffers the caller reuses afterwards: copy, do not keep them.
-
-        Weights reach an engine through ``reval.weight_sync.WeightSubscriber.update``. An engine
-        that moves packed buckets anyway (``VLLMEngine``) also has ``load_buckets(buckets,
-        version)``: the subscriber then hands it a broadcast's buckets as received."""
+        """Copy tensors held by the caller in place and set the policy version (evaluation,
+        tests). The tensors may be views of buffers the caller reuses afterwards: copy, do not
+        keep them."""
         ...
 
 
@@ -84,6 +85,8 @@ class HFEngine:
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.policy_version = 0
+        self.receiver = LocalReceiver(self.load_weights, self.device)
+        """Files and broadcasts, received in this process and loaded in place."""
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:

@@ -34,16 +34,19 @@ checked by ``tests/integration/test_engine_conformance.py`` on the CPU:
   re-processes and copies back in place; one call per version. It does not re-process a layer
   whose weight is tied to one loaded elsewhere (the CPU backend's packed LM head tied to the
   embedding): ``_reval_process_tied`` does.
-- One hop: a file is read by the workers themselves, and the learner's ``BroadcastHub`` is heard
-  by a ``BroadcastReceiver`` inside each worker process (the same kind of process group on both
-  ends: gloo on the CPU, NCCL on GPUs; vLLM's ``StatelessProcessGroup``/``PyNcclCommunicator``
+- One hop: ``VLLMEngine.receiver`` (``VLLMReceiver``) forwards each call of the
+  ``WeightReceiver`` protocol to a ``LocalReceiver`` inside each worker process (the same code as
+  ``HFEngine``'s, ``reval/weights/receiver.py``): a file is read by the workers themselves,
+  and the learner's ``BroadcastHub`` is heard inside each worker process (the same kind of
+  process group on both ends: gloo on the CPU, NCCL on GPUs; vLLM's ``StatelessProcessGroup``/
+  ``PyNcclCommunicator``
   never pair with a torch ``ProcessGroup``). No weights cross the RPC channel and the rollout
   process holds no copy. The receiver keeps one received version in the worker's memory (device
-  memory under NCCL) until ``take_broadcast`` loads it between batches: the hub does not wait for
+  memory under NCCL) until ``take`` loads it between batches: the hub does not wait for
   generation to pause.
 - Not used: vLLM's own weight-transfer API (``vllm/distributed/weight_transfer/``), which fixes
-  its own wire format; this project's bucket format (``reval/weights.py``) is the one HF and vLLM
-  workers share.
+  its own wire format; this project's bucket format (``reval/weights/buckets.py``) is the one HF
+  and vLLM workers share.
 """
 
 from __future__ import annotations
@@ -57,13 +60,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from buffer.records import FinishReason
-from reval.broadcast import BroadcastReceiver, parse_address
-from reval.weight_sync import UNREADABLE
-from reval.weights import unpack_bucket
+from reval.weights.files import save_tensors
+from reval.weights.receiver import LocalReceiver
 from rollout.engines import Sample, SamplingParams
 
 log = logging.getLogger("reval.vllm")
@@ -140,10 +141,9 @@ class VLLMEngine:
     ``max_num_seqs``, ``kv_cache_memory_bytes``...), except that ``logprobs_mode`` and
     ``worker_extension_cls`` are this adapter's.
 
-    Weights never pass through this (the rollout) process: a file is read by the workers
-    (``load_weights_file``), and a broadcast is received by a ``BroadcastReceiver`` inside each
-    worker (``join_broadcast``/``take_broadcast``); both end in vLLM's in-place
-    ``reload_weights``.
+    Weights never pass through this (the rollout) process: ``receiver`` (``VLLMReceiver``) has
+    the workers read a file themselves, or receive a broadcast inside each worker; both end in
+    vLLM's in-place ``reload_weights``.
     """
 
     def __init__(
@@ -211,8 +211,8 @@ class VLLMEngine:
         self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
         self.deterministic = deterministic
         self.policy_version = 0
-        self.broadcast_backend: str | None = None
-        """The backend the workers receive broadcasts with (None: not joined)."""
+        self.receiver = VLLMReceiver(self)
+        """Files and broadcasts, received inside every vLLM worker process."""
         self.checkpoint_dir: Any = None
         """Whatever must live as long as the engine (a temporary checkpoint it started from)."""
 
@@ -280,73 +280,13 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Load tensors held by the caller (HF checkpoint names): written to a temporary
-        safetensors file that the workers read (``load_weights_file``); no weights in RPCs."""
-        tensors: dict[str, Tensor] = {}
-        seen: set[int] = set()
-        for name, t in named_tensors:
-            t = t.detach().to("cpu").contiguous()
-            ptr = t.untyped_storage().data_ptr()  # tied weights: safetensors refuses aliases
-            tensors[name] = t.clone() if ptr in seen else t
-            seen.add(ptr)
+        safetensors file that the workers read (``receiver.load_file``); no weights in RPCs."""
         shm = Path("/dev/shm")
         with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as tmp:
             path = Path(tmp) / "weights.safetensors"
-            save_file(tensors, str(path))
-            del tensors
-            self.load_weights_file(path, version)
-
-    def load_weights_file(self, path: str | Path, version: int) -> None:
-        """Every worker reads the safetensors file at ``path`` itself (tensor by tensor) into
-        vLLM's in-place reload; FileNotFoundError if it is gone (pruned)."""
-        found = self.llm.collective_rpc("reval_load_file", args=(str(path),))
-        if not all(found):
-            raise FileNotFoundError(str(path))
-        self._weights_changed(version)
-
-    def join_broadcast(self, address: str, worker_id: str, timeout_s: float) -> bool:
-        """Every worker joins the learner's ``BroadcastHub`` at ``address``
-        (``backend://host:port``) with a ``BroadcastReceiver`` of its own, which receives each
-        version into the worker's memory (device memory under NCCL). False, and nothing
-        joined, when a worker cannot receive that backend (NCCL off CUDA)."""
-        self.leave_broadcast()
-        joined = self.llm.collective_rpc(
-            "reval_join_broadcast", args=(address, worker_id, float(timeout_s))
-        )
-        if not all(joined):
-            self.leave_broadcast()
-            return False
-        self.broadcast_backend = address.rpartition("://")[0] or "gloo"
-        return True
-
-    def broadcast_state(self) -> tuple[int | None, int]:
-        """(the newest complete version the workers hold and have not loaded, when they all
-        hold the same one, else None; versions received so far, the fewest of any worker)."""
-        states = self.llm.collective_rpc("reval_broadcast_state")
-        versions = {v for v, _ in states}
-        ready = versions.pop() if len(versions) == 1 else None
-        return ready, min(n for _, n in states)
-
-    def take_broadcast(self, newer_than: int | None = None) -> int | None:
-        """Load the version the workers received, if it is newer than ``newer_than`` (an older
-        one is dropped); the version loaded, or None. Tensor-parallel workers load only a
-        version all of them hold."""
-        version, _ = self.broadcast_state()
-        if version is None:
-            return None
-        loaded = self.llm.collective_rpc(
-            "reval_take_broadcast", args=(version, -1 if newer_than is None else newer_than)
-        )
-        if not all(loaded):
-            if any(loaded):
-                raise RuntimeError(f"only some vLLM workers loaded broadcast v{version}")
-            return None
-        self._weights_changed(version)
-        return version
-
-    def leave_broadcast(self) -> None:
-        if getattr(self, "llm", None) is not None:
-            self.llm.collective_rpc("reval_leave_broadcast")
-        self.broadcast_backend = None
+            save_tensors(named_tensors, path, version)
+            if not self.receiver.load_file(path, version):
+                raise FileNotFoundError(str(path))
 
     def _weights_changed(self, version: int) -> None:
         # Cached prefix blocks hold K/V computed with the old weights.
@@ -360,9 +300,9 @@ class VLLMEngine:
         if llm is None:
             return
         try:
-            self.leave_broadcast()
+            self.receiver.leave()
         except Exception as err:  # a dead engine: shut it down all the same
-            log.debug("leave_broadcast at close: %s", err)
+            log.debug("leaving the hub at close: %s", err)
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None:
             engine_core.shutdown()
@@ -381,7 +321,7 @@ class RevalWorkerExtension:
     if TYPE_CHECKING:
         device: torch.device
         rank: int
-        _reval_receiver: BroadcastReceiver | None
+        _reval_receiver: LocalReceiver | None
 
         def reload_weights(self, *args: Any, **kwargs: Any) -> None: ...
 
@@ -415,64 +355,88 @@ class RevalWorkerExtension:
                 if method is not None:
                     method.process_weights_after_loading(module)
 
-    def reval_load_file(self, path: str) -> bool:
-        """Load the safetensors file at ``path``, tensor by tensor; False if it is missing."""
-        from safetensors import safe_open
+    def _reval_load(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
+        self._reval_reload(weights)
 
-        try:  # (safe_open checks the header against the file's length: a file cut short
-            f = safe_open(path, framework="pt", device="cpu")  # fails here, before any load)
-        except UNREADABLE:
-            return False
-        with f:
-            self._reval_reload((name, f.get_tensor(name)) for name in f.keys())  # noqa: SIM118
-        return True
-
-    def reval_join_broadcast(self, address: str, worker_id: str, timeout_s: float) -> bool:
-        self.reval_leave_broadcast()
-        backend, host, port, secret = parse_address(address)
-        if backend == "nccl" and self.device.type != "cuda":
-            return False
-        self._reval_receiver = BroadcastReceiver(
-            host,
-            port,
-            f"{worker_id}/vllm{getattr(self, 'rank', 0)}",
-            secret,
-            timeout_s=timeout_s,
-            backend=backend,
-            device=self.device if backend == "nccl" else "cpu",
-        )
-        return True
-
-    def reval_broadcast_state(self) -> tuple[int | None, int]:
+    def _reval_here(self) -> LocalReceiver:
+        """This worker's receiver (the one ``LocalReceiver`` code, next to the model)."""
         r = getattr(self, "_reval_receiver", None)
         if r is None:
-            return None, 0
-        return r.latest_version, r.received
+            r = self._reval_receiver = LocalReceiver(self._reval_load, self.device)
+        return r
 
-    def reval_take_broadcast(self, version: int, newer_than: int) -> bool:
-        """Load ``version`` if this worker holds it and it is newer than ``newer_than`` (an
-        older one is dropped); the buffers go back to the receiver for the next version."""
-        r = getattr(self, "_reval_receiver", None)
-        got = r.take_buckets(only=version) if r is not None else None
-        if r is None or got is None:
+    def reval_load_file(self, path: str, version: int) -> bool:
+        return self._reval_here().load_file(Path(path), version)
+
+    def reval_join(self, address: str, worker_id: str, timeout_s: float) -> bool:
+        member = f"{worker_id}/vllm{getattr(self, 'rank', 0)}"
+        return self._reval_here().join(address, member, timeout_s)
+
+    def reval_state(self) -> tuple[int | None, int]:
+        """(the version received and not taken, versions received so far)."""
+        r = self._reval_here()
+        return r.ready(), r.received()
+
+    def reval_take(self, version: int, newer_than: int) -> bool:
+        """Load ``version`` if this worker holds it and it is newer than ``newer_than``."""
+        newer = None if newer_than < 0 else newer_than
+        return self._reval_here().take(newer, only=version) is not None
+
+    def reval_leave(self) -> None:
+        self._reval_here().leave()
+
+
+class VLLMReceiver:
+    """``VLLMEngine.receiver``: the ``WeightReceiver`` protocol, each call forwarded to the
+    ``LocalReceiver`` inside every vLLM worker (``RevalWorkerExtension``). Tensor-parallel
+    workers load a broadcast version only when all of them hold it."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return list(self.engine.llm.collective_rpc(method, args=args))
+
+    def load_file(self, path: Path, version: int) -> bool:
+        if not all(self._rpc("reval_load_file", str(path), version)):
             return False
-        try:
-            if got[0] <= newer_than:
-                return False
-            self._reval_reload(nt for bucket in got[1] for nt in unpack_bucket(bucket))
-        finally:
-            del got
-            r.release()
+        self.engine._weights_changed(version)
         return True
 
-    def reval_leave_broadcast(self) -> None:
-        r = getattr(self, "_reval_receiver", None)
-        self._reval_receiver = None
-        if r is not None:
-            r.close()
+    def join(self, address: str, worker_id: str, timeout_s: float) -> bool:
+        if not all(self._rpc("reval_join", address, worker_id, float(timeout_s))):
+            self.leave()
+            return False
+        return True
+
+    def take(self, newer_than: int | None) -> int | None:
+        versions = {v for v, _ in self._rpc("reval_state")}
+        version = versions.pop() if len(versions) == 1 else None
+        if version is None:
+            return None
+        loaded = self._rpc("reval_take", version, -1 if newer_than is None else newer_than)
+        if not all(loaded):
+            if any(loaded):
+                raise RuntimeError(f"only some vLLM workers loaded broadcast v{version}")
+            return None
+        self.engine._weights_changed(version)
+        return version
+
+    def received(self) -> int:
+        return min(n for _, n in self._rpc("reval_state"))
+
+    def leave(self) -> None:
+        if getattr(self.engine, "llm", None) is not None:
+            self._rpc("reval_leave")
 
 
 _EXT = f"{RevalWorkerExtension.__module__}.{RevalWorkerExtension.__qualname__}"
 """Qualified name for ``worker_extension_cls`` (imported by name in vLLM's worker process)."""
 
-__all__ = ["SUPPORTED_VLLM", "RevalWorkerExtension", "VLLMEngine", "check_vllm_version"]
+__all__ = [
+    "SUPPORTED_VLLM",
+    "RevalWorkerExtension",
+    "VLLMEngine",
+    "VLLMReceiver",
+    "check_vllm_version",
+]

@@ -5,7 +5,7 @@ It registers itself in Redis with a heartbeat, waits until the learner has annou
 then loops: take prompts from the shared deal, generate N answers each, verify them, transform the
 rewards per group, tag every trajectory with its policy version and push the batch into the
 replay service. Between batches it loads newer weights through its ``WeightSubscriber``
-(``reval/weight_sync.py``: the broadcast or the announced file, whichever has them). It never
+(``reval/weights/receiver.py``: the broadcast or the announced file, whichever is newer). It never
 waits for the learner (pushes go through the replay client's retries and spool), survives a Redis
 restart, and on SIGTERM/SIGINT finishes the batch in hand, pushes it, deregisters and exits 0.
 """
@@ -37,7 +37,7 @@ from reval.config import RunConfig
 from reval.control import RunControl
 from reval.metrics import PREFIX
 from reval.policy import compute_dtype, load_policy, model_source
-from reval.weight_sync import build_subscriber
+from reval.weights.receiver import build_subscriber
 from rollout.collect import collect_round
 from rollout.dealer import PromptDealer
 from rollout.engines import GenerationEngine, HFEngine, SamplingParams
@@ -324,7 +324,7 @@ class RolloutWorker:
 
     def _load(self, force: bool = False) -> bool:
         """Load newer announced weights (``WeightSubscriber.update``); True if it loaded."""
-        version = self.weights.update(self.engine, force=force)
+        version = self.weights.update(self.engine.receiver, force=force)
         if version is None:
             return False
         self.stats.weight_loads += 1

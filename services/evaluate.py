@@ -214,15 +214,14 @@ def follow(
 
     from reval.control import RunControl
     from reval.metrics import JsonlWriter
-    from reval.weight_sync import WeightStore
+    from reval.weights.files import UNREADABLE, run_store
 
     if every < 1:
         raise ValueError("--every must be >= 1")
     stop = stop or threading.Event()
     b = cfg.buffer
     client = redis.Redis.from_url(b.redis_url, socket_timeout=30)
-    store = WeightStore(client, b.key_prefix, cfg.name,
-                        cfg.sync.weights_dir or str(cfg.run_dir / "weights"))  # fmt: skip
+    store = run_store(cfg, client)
     control = RunControl(client, b.key_prefix, cfg.name)
     engine, tokenizer, params, loaded = _prepare(cfg, benchmarks, data_dir)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -234,34 +233,41 @@ def follow(
             ann = store.latest()
         except (redis.ConnectionError, redis.TimeoutError):
             ann = None
-        if ann is None or (last is not None and ann.version < last + every):
+        # (the newest version with a file: the files lag the broadcast a little)
+        version = ann.file_version if ann is not None else None
+        if (
+            ann is None
+            or ann.path is None
+            or version is None
+            or (last is not None and version < last + every)
+        ):
             stop.wait(poll_s)
             continue
         try:
-            tensors = store.load(ann)
-        except FileNotFoundError:  # pruned before we read it: the next one
+            tensors = store.load(ann.path)
+        except UNREADABLE:  # pruned before we read it: the next one
             stop.wait(poll_s)
             continue
-        engine.load_weights(tensors, ann.version)
+        engine.load_weights(tensors, version)
         t0 = time.perf_counter()
         results = _evaluate_all(cfg, loaded, engine, tokenizer, params)
         scores = {n: r.avg_at_k for n, r in results.items()}
         avg = float(np.mean(list(scores.values()))) if scores else 0.0
-        record = {"policy_version": ann.version, "k": params.n, "avg": avg, "scores": scores,
+        record = {"policy_version": version, "k": params.n, "avg": avg, "scores": scores,
                   "seconds": time.perf_counter() - t0, "time": time.time()}  # fmt: skip
         writer.write(record)
         try:
             control.record("eval", {"avg": avg, "scores": scores, "k": params.n},
-                           step=ann.version)  # fmt: skip
+                           step=version)  # fmt: skip
         except (redis.ConnectionError, redis.TimeoutError) as err:
             log.warning("could not record the evaluation: %s", err)
         if metrics is not None:
             for n, v in scores.items():
                 metrics.score.labels(benchmark=n).set(v)
             metrics.average.set(avg)
-            metrics.version.set(ann.version)
+            metrics.version.set(version)
             metrics.runs.inc()
-        log.info("eval of v%d: avg@%d %.3f %s", ann.version, params.n, avg, scores)
+        log.info("eval of v%d: avg@%d %.3f %s", version, params.n, avg, scores)
         done.append(record)
-        last = ann.version
+        last = version
     return done

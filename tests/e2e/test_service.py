@@ -23,7 +23,7 @@ import torch
 
 from buffer.redis_ring import RedisRing
 from reval.metrics import read_jsonl
-from reval.weight_sync import WeightStore
+from reval.weights.files import WeightStore
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,15 +17,15 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from reval.broadcast import (
+from reval.config import ModelConfig
+from reval.policy import load_policy
+from reval.weights.collective import (
     BroadcastHub,
     BroadcastReceiver,
     make_group,
     parse_address,
     tensors_equal,
 )
-from reval.config import ModelConfig
-from reval.policy import load_policy
 from rollout.engines import HFEngine, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def test_a_killed_member_costs_at_most_one_timeout():
     hub = BroadcastHub(0, host="127.0.0.1", timeout_s=3, bucket_bytes=4096)
     alive = BroadcastReceiver("127.0.0.1", hub.port, "alive", hub.secret, timeout_s=3)
     code = (
-        "import sys, time; from reval.broadcast import BroadcastReceiver as R; "
+        "import sys, time; from reval.weights.collective import BroadcastReceiver as R; "
         f"r = R('127.0.0.1', {hub.port}, 'doomed', '{hub.secret}', timeout_s=3); time.sleep(600)"
     )
     doomed = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)

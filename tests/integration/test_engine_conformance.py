@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reval.weight_sync import build_publisher, build_subscriber
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from reval.broadcast import BroadcastHub
 from reval.config import TinyModelConfig, load_config
 from reval.policy import build_char_tokenizer, build_tiny_model
-from reval.weight_sync import build_publisher, build_subscriber
+from reval.weights.collective import BroadcastHub
 from rollout.engines import GenerationEngine, HFEngine, Sample, SamplingParams, top_p_filter
 from rollout.vllm_engine import VLLMEngine
 
@@ -349,7 +349,7 @@ def test_update_weights_from_a_gloo_hub(
 
 NCCL_HUB = """
 import json, sys, time, torch
-from reval.broadcast import BroadcastHub
+from reval.weights.collective import BroadcastHub
 state = torch.load(sys.argv[1])
 hub = BroadcastHub(0, host="127.0.0.1", timeout_s=60, bucket_bytes=256 << 10, backend="nccl",
                    device="cuda:1")

@@ -179,7 +179,7 @@ def test_eval_follows_a_run(tmp_path, redis_url, redis_prefix):
 
     from reval.control import RunControl
     from reval.metrics import read_jsonl
-    from reval.weight_sync import WeightStore
+    from reval.weights.files import WeightStore
 
     (tmp_path / "bench").mkdir()
     data = sample_data(tmp_path / "bench")

@@ -22,7 +22,7 @@ from reval import registry
 from reval.config import load_config
 from reval.policy import load_policy
 from reval.registry import worker_key
-from reval.weight_sync import WeightStore
+from reval.weights.files import WeightStore
 from rollout.dealer import PromptDealer
 from rollout.tasks import Prompt
 from rollout.worker import RolloutWorker
@@ -242,7 +242,7 @@ def test_worker_on_cpu_reads_files_when_the_learner_broadcasts_over_nccl(
     tmp_path, redis_url, redis_prefix
 ):
     """A GPU learner's hub speaks NCCL; a CPU worker cannot join it and keeps to the files."""
-    from reval.broadcast import BroadcastHub
+    from reval.weights.collective import BroadcastHub
 
     cfg = worker_cfg(tmp_path, redis_url, redis_prefix, "rollout.worker_prompts=2")
     publish(cfg, 3, broadcast="nccl://127.0.0.1:9/s")

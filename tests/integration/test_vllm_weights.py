@@ -56,7 +56,7 @@ print(sum(p.numel() * p.element_size() for p in model.parameters()), model.confi
 LEARNER = """
 import os, signal, sys, time, torch
 from safetensors.torch import load_file
-from reval.broadcast import BroadcastHub
+from reval.weights.collective import BroadcastHub
 orig = load_file(os.path.join(sys.argv[1], "model.safetensors"))
 weights = {"orig": orig, "zero": {k: torch.zeros_like(v) for k, v in orig.items()}}
 hub = BroadcastHub(0, host="127.0.0.1", timeout_s=float(sys.argv[2]), bucket_bytes=8 << 20)
@@ -82,7 +82,7 @@ for line in sys.stdin:
 
 DOOMED = """
 import sys, time
-from reval.broadcast import BroadcastReceiver
+from reval.weights.collective import BroadcastReceiver
 port, secret = sys.argv[1].split("/")
 r = BroadcastReceiver("127.0.0.1", int(port), "doomed", secret, timeout_s=float(sys.argv[2]))
 print("joined", flush=True)

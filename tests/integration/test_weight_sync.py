@@ -1,14 +1,19 @@
-"""One publisher, one subscriber (``reval/weight_sync.py``), against the real Redis and real gloo
-groups: a subscriber loads the same weights whether they came through the files or the
-broadcast; it follows a resumed learner (a new hub, a lower version); it keeps to the files when
-the hub speaks NCCL and its engine is off CUDA; a bucket-loading engine gets the learner's buckets
-as they were packed, once; an engine that receives in processes of its own (vLLM's adapter; the
-real one in ``test_vllm_weights.py``) gets the hub's address and the files' paths, never tensors
-from the subscriber; and the rollout worker uses nothing but the subscriber."""
+"""One seam for the weights (``reval/weights/``), against the real Redis and real gloo groups:
+the learner's ``WeightSender.send(model, version)`` and each engine's ``WeightReceiver`` fed by
+the worker's ``WeightSubscriber``. Engines get bit-identical weights through the file and the
+broadcast; a late joiner reads the newest file, then follows the broadcast; a receiver killed
+mid-sync costs one timeout; a resumed learner (a new lineage) is followed to lower versions; the
+file is written off the critical path (skipped, not waited for, while the last one is written);
+the sender never builds a full host copy and keeps its buffers within the bucket bound."""
 
 from __future__ import annotations
 
 import ast
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,19 +22,15 @@ import numpy as np
 import pytest
 import redis
 import torch
-from safetensors.torch import load_file
+from torch import nn
 
-from reval.broadcast import BroadcastReceiver, parse_address
 from reval.config import RunConfig, load_config
 from reval.policy import load_policy
-from reval.weight_sync import (
-    WeightPublisher,
-    WeightStore,
-    WeightSubscriber,
-    build_publisher,
-    build_subscriber,
-)
-from reval.weights import Bucket, plan_buckets
+from reval.weights.buckets import plan_buckets
+from reval.weights.collective import IN_FLIGHT
+from reval.weights.files import WeightStore, safetensors_header
+from reval.weights.receiver import WeightSubscriber, build_subscriber
+from reval.weights.sender import WeightSender, build_sender, published_tensors
 from rollout.engines import HFEngine, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,28 +67,41 @@ def hf_engine(cfg: RunConfig, seed: int) -> CountingEngine:
     return CountingEngine(policy.model, policy.pad_id, policy.eos_id, policy.device)
 
 
-def learner_weights(cfg: RunConfig, seed: int) -> dict[str, torch.Tensor]:
-    """A full state dict like the learner's (tied aliases included), away from any engine's."""
-    model = load_policy(cfg.model, 0).model
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=gen))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+class Learner:
+    """A learner's rank 0 as far as the weights go: its model and its sender."""
 
+    def __init__(self, cfg: RunConfig, client: redis.Redis) -> None:
+        self.model = load_policy(cfg.model, 0).model
+        self.sender = build_sender(cfg, client, 0, "cpu", torch.float32)
 
-def joined(publisher: WeightPublisher, n: int, timeout: float = 20.0) -> None:
-    hub = publisher.hub
-    assert hub is not None
-    deadline = time.monotonic() + timeout
-    while int(hub.store.add("tickets", 0)) < n:
-        assert time.monotonic() < deadline, "no worker joined the hub"
-        time.sleep(0.01)
+    def send(self, seed: int, version: int, wait_file: bool = True) -> dict[str, torch.Tensor]:
+        """New weights (from ``seed``) published as ``version``; the state dict it sent."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        self.result = self.sender.send(self.model, version)
+        if wait_file:
+            assert self.sender.files is not None and self.sender.files.wait(30)
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    @property
+    def address(self) -> str | None:
+        return self.sender.address
+
+    def joined(self, n: int, timeout: float = 20.0) -> None:
+        hub = self.sender.hub
+        assert hub is not None
+        deadline = time.monotonic() + timeout
+        while int(hub.store.add("tickets", 0)) < n:
+            assert time.monotonic() < deadline, "no worker joined the hub"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.sender.close()
 
 
 def received(sub: WeightSubscriber, n: int, timeout: float = 20.0) -> None:
-    """Wait until the broadcast has delivered ``n`` versions to ``sub`` (the learner announces
-    the file first: an update before the broadcast lands reads the file)."""
     deadline = time.monotonic() + timeout
     while sub.received < n:
         assert time.monotonic() < deadline, f"{n} broadcasts never arrived"
@@ -104,96 +118,35 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-class BucketEngine:
-    """An engine that takes packed buckets (as ``VLLMEngine`` does), recording what it got."""
-
-    def __init__(self) -> None:
-        self.policy_version = 0
-        self.got: list[tuple[bytes, bytes]] = []
-        self.plain_loads = 0
-
-    def load_buckets(self, buckets: Iterable[Bucket], version: int) -> None:
-        self.got = [(b.header(), b.data.numpy().tobytes()) for b in buckets]
-        self.policy_version = version
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.plain_loads += 1
-        self.policy_version = version
-
-
-class SelfReceivingEngine(CountingEngine):
-    """An engine that receives broadcasts and reads files in "processes of its own" (as
-    ``VLLMEngine`` does inside its vLLM workers; here a ``BroadcastReceiver`` it owns), so that
-    the subscriber holds no receiver and never loads tensors itself."""
-
-    def __init__(self, cfg: RunConfig, seed: int) -> None:
-        policy = load_policy(cfg.model, seed)
-        policy.model.eval()
-        super().__init__(policy.model, policy.pad_id, policy.eos_id, policy.device)
-        self.receiver: BroadcastReceiver | None = None
-        self.broadcast_backend: str | None = None
-        self.calls: list[str] = []
-
-    def load_weights_file(self, path: Path, version: int) -> None:
-        self.calls.append("file")
-        self.load_weights(load_file(str(path)).items(), version)
-
-    def join_broadcast(self, address: str, worker_id: str, timeout_s: float) -> bool:
-        self.calls.append("join")
-        backend, host, port, secret = parse_address(address)
-        if backend != "gloo":
-            return False
-        self.receiver = BroadcastReceiver(host, port, worker_id, secret, timeout_s=timeout_s)
-        self.broadcast_backend = backend
-        return True
-
-    def broadcast_state(self) -> tuple[int | None, int]:
-        r = self.receiver
-        return (r.latest_version, r.received) if r is not None else (None, 0)
-
-    def take_broadcast(self, newer_than: int | None) -> int | None:
-        self.calls.append("take")
-        got = self.receiver.take() if self.receiver is not None else None
-        if got is None or (newer_than is not None and got[0] <= newer_than):
-            return None
-        self.load_weights(got[1], got[0])
-        return got[0]
-
-    def leave_broadcast(self) -> None:
-        self.calls.append("leave")
-        if self.receiver is not None:
-            self.receiver.close()
-        self.receiver, self.broadcast_backend = None, None
-
-
 @pytest.mark.timeout(180)
-def test_files_and_gloo_broadcast_load_the_same_weights(tmp_path, redis_url, redis_prefix):
+def test_files_and_gloo_broadcast_give_bit_identical_weights(tmp_path, redis_url, redis_prefix):
     cfg = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true")
     client = redis.Redis.from_url(redis_url)
-    publisher = build_publisher(cfg, client, torch.device("cpu"))
-    assert publisher.hub is not None and publisher.hub.backend == "gloo"
-    assert publisher.address == f"gloo://127.0.0.1:{publisher.hub.port}/{publisher.hub.secret}"
+    learner = Learner(cfg, client)
+    hub = learner.sender.hub
+    assert hub is not None and hub.backend == "gloo"
+    assert learner.address == f"gloo://127.0.0.1:{hub.port}/{hub.secret}"
     engine_a, engine_b = hf_engine(cfg, 1), hf_engine(cfg, 2)
     a = build_subscriber(cfg, client, "a")
     b = build_subscriber(cfg, client, "b")
     try:
-        assert a.update(engine_a) is None and a.version is None  # nothing announced yet
-        w1 = learner_weights(cfg, 1)
-        r1 = publisher.publish(w1.items(), 1)
-        assert r1.receivers == 0 and r1.version == 1 and r1.path.is_file()
-        assert r1.nbytes == sum(t.numel() * t.element_size() for t in w1.values())
-        assert a.update(engine_a) == 1 and a.source == "file" and a.backend == "gloo"
-        assert a.hub == publisher.address and a.joined_broadcast
-        assert a.update(engine_a) is None  # nothing new
-        joined(publisher, 1)
-        w2 = learner_weights(cfg, 2)
-        assert publisher.publish(w2.items(), 2).receivers == 1
+        assert a.update(engine_a.receiver) is None and a.version is None  # nothing announced
+        w1 = learner.send(1, 1)
+        assert learner.result.receivers == 0 and learner.result.file
+        nbytes = sum(t.numel() * t.element_size() for _, t in published_tensors(learner.model))
+        assert learner.result.nbytes == nbytes
+        assert a.update(engine_a.receiver) == 1 and a.source == "file"
+        assert a.hub == learner.address and a.joined_broadcast
+        assert a.update(engine_a.receiver) is None  # nothing new
+        assert_same(state_of(engine_a), w1)
+        learner.joined(1)
+        w2 = learner.send(2, 2)
+        assert learner.result.receivers == 1
         received(a, 1)
-        assert a.update(engine_a) == 2
+        assert a.update(engine_a.receiver) == 2
         assert a.source == "broadcast" and engine_a.policy_version == 2
-        # A newcomer reads the same version from the file.
-        assert b.update(engine_b) == 2 and b.source == "file"
-        assert engine_b.policy_version == 2
+        # A newcomer reads the same version from the file: bit for bit the broadcast's.
+        assert b.update(engine_b.receiver) == 2 and b.source == "file"
         got_a, got_b = state_of(engine_a), state_of(engine_b)
         assert_same(got_a, got_b)
         assert_same(got_a, w2)
@@ -205,157 +158,378 @@ def test_files_and_gloo_broadcast_load_the_same_weights(tmp_path, redis_url, red
                 np.testing.assert_array_equal(sa.token_ids, sb.token_ids)
                 np.testing.assert_array_equal(sa.logprobs, sb.logprobs)
         # Both follow the broadcast now; the same version is not loaded twice.
-        joined(publisher, 2)
-        w3 = learner_weights(cfg, 3)
-        assert publisher.publish(w3.items(), 3).receivers == 2
+        learner.joined(2)
+        w3 = learner.send(3, 3)
+        assert learner.result.receivers == 2
         received(a, 2)
-        assert a.update(engine_a) == 3 and a.source == "broadcast"
-        assert b.update(engine_b, force=True) == 3 and b.source == "file"  # not the broadcast
+        assert a.update(engine_a.receiver) == 3 and a.source == "broadcast"
+        assert b.update(engine_b.receiver, force=True) == 3 and b.source == "file"
         received(b, 1)  # the broadcast brought b v3 as well: not loaded a second time
         loads = engine_b.loads
-        assert b.update(engine_b) is None and b.version == 3 and engine_b.loads == loads
+        assert b.update(engine_b.receiver) is None and b.version == 3 and engine_b.loads == loads
         assert_same(state_of(engine_a), w3)
         assert_same(state_of(engine_b), w3)
     finally:
         a.close()
         b.close()
-        publisher.close()
+        learner.close()
 
 
-@pytest.mark.timeout(180)
-def test_bucket_engines_get_the_learners_buckets_unrepacked(tmp_path, redis_url, redis_prefix):
-    """The broadcast's buckets reach an engine that loads buckets exactly as the learner packed
-    them: no second packing into other buckets."""
-    cfg = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true")
+def test_the_file_is_safetensors_in_the_buckets_order(tmp_path, redis_url, redis_prefix):
+    """The background writer's file (header from the layout, the mirror's bytes) reads back with
+    safetensors as the tensors sent, in the compute dtype."""
+    from safetensors.torch import load_file
+
+    cfg = config(tmp_path, redis_url, redis_prefix)
     client = redis.Redis.from_url(redis_url)
-    publisher = build_publisher(cfg, client, "cpu")
-    fake = BucketEngine()
-    s1 = build_subscriber(cfg, client, "bucket-engine")
+    learner = Learner(cfg, client)
+    learner.sender.dtype = torch.bfloat16
+    learner.sender._plan = None
     try:
-        w1 = learner_weights(cfg, 1)
-        publisher.publish(w1.items(), 1)
-        assert s1.update(fake) == 1 and fake.plain_loads == 1  # a file: plain tensors
-        joined(publisher, 1)
-        w2 = learner_weights(cfg, 2)
-        assert publisher.publish(w2.items(), 2).receivers == 1
-        received(s1, 1)
-        assert s1.update(fake) == 2 and s1.source == "broadcast"
-        plan = plan_buckets(w2.items(), int(BUCKET_MB * (1 << 20)), 2)
-        assert len(plan) > 3
-        assert fake.got == [(p.header(), p.pack().data.numpy().tobytes()) for p in plan]
+        w = learner.send(1, 7)
+        ann = learner.sender.store.latest()  # type: ignore[union-attr]
+        assert ann is not None and ann.file_version == 7 and ann.path is not None
+        got = load_file(str(ann.path))
+        want = {n: t.to(torch.bfloat16) for n, t in published_tensors(learner.model)}
+        assert got.keys() == want.keys()
+        for n in want:
+            assert got[n].dtype == torch.bfloat16 and torch.equal(got[n], want[n]), n
+        assert set(want) <= set(w)
+        metas = [m for b in plan_buckets(want.items(), 4096) for m in b.metas]
+        header = safetensors_header(metas, 7)
+        assert ann.path.read_bytes()[: len(header)] == header
     finally:
-        s1.close()
-        publisher.close()
+        learner.close()
 
 
 @pytest.mark.timeout(180)
-def test_an_engine_that_receives_itself_gets_everything_past_the_subscriber(
+def test_a_late_joiner_reads_the_newest_file_then_follows_the_broadcast(
     tmp_path, redis_url, redis_prefix
 ):
-    """An engine with its own receiver (the vLLM engine's shape): the subscriber joins the hub
-    through it, takes broadcasts through it and hands it announced files by path; it holds no
-    receiver of its own, and a version is still loaded once, newest first."""
     cfg = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true")
     client = redis.Redis.from_url(redis_url)
-    publisher = build_publisher(cfg, client, "cpu")
-    engine = SelfReceivingEngine(cfg, 1)
-    sub = build_subscriber(cfg, client, "self-receiving")
+    learner = Learner(cfg, client)
+    early = hf_engine(cfg, 1)
+    e = build_subscriber(cfg, client, "early")
+    late_engine = hf_engine(cfg, 2)
+    late = build_subscriber(cfg, client, "late")
     try:
-        w1 = learner_weights(cfg, 1)
-        publisher.publish(w1.items(), 1)
-        assert sub.update(engine) == 1 and sub.source == "file"
-        assert engine.calls == ["join", "file"] and engine.loads == 1
-        assert sub._receiver is None and sub.joined_broadcast and sub.backend == "gloo"
-        joined(publisher, 1)
-        w2 = learner_weights(cfg, 2)
-        assert publisher.publish(w2.items(), 2).receivers == 1
-        received(sub, 1)
-        assert sub.update(engine) == 2 and sub.source == "broadcast"
-        assert_same(state_of(engine), w2)
-        assert sub.update(engine) is None and engine.loads == 2  # v2 is not read from the file
-        sub.close()
-        assert engine.calls[-1] == "leave" and engine.receiver is None
+        learner.send(1, 1)
+        assert e.update(early.receiver) == 1
+        learner.joined(1)
+        for v in (2, 3, 4):
+            w = learner.send(v, v)
+        received(e, 3)
+        assert late.update(late_engine.receiver) == 4 and late.source == "file"
+        assert_same(state_of(late_engine), w)
+        learner.joined(2)
+        w5 = learner.send(5, 5)
+        assert learner.result.receivers == 2
+        received(late, 1)
+        assert late.update(late_engine.receiver) == 5 and late.source == "broadcast"
+        assert_same(state_of(late_engine), w5)
     finally:
-        sub.close()
-        publisher.close()
+        e.close()
+        late.close()
+        learner.close()
+
+
+DOOMED = """
+import sys, time, torch
+from reval.weights.receiver import LocalReceiver
+r = LocalReceiver(lambda tensors, version: None, "cpu")
+assert r.join(sys.argv[1], "doomed", 3.0)
+time.sleep(600)
+"""
 
 
 @pytest.mark.timeout(180)
-def test_a_resumed_learner_with_a_new_hub_and_a_lower_version(tmp_path, redis_url, redis_prefix):
+def test_a_receiver_killed_mid_sync_costs_one_timeout(tmp_path, redis_url, redis_prefix):
+    cfg = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true", "sync.timeout_s=3")
+    client = redis.Redis.from_url(redis_url)
+    learner = Learner(cfg, client)
+    engine = hf_engine(cfg, 1)
+    sub = build_subscriber(cfg, client, "alive")
+    learner.send(1, 1)
+    assert sub.update(engine.receiver) == 1
+    doomed = subprocess.Popen([sys.executable, "-c", DOOMED, str(learner.address)], cwd=ROOT)
+    try:
+        learner.joined(2)
+        learner.send(2, 2)
+        assert learner.result.receivers == 2
+        hub = learner.sender.hub
+        assert hub is not None
+        # Kill the doomed member as soon as the next sync's headers are out: mid-sync.
+        seq = hub.seq + 1
+
+        def kill() -> None:
+            while not hub.store.check([f"sync/{hub.generation}/{seq}"]):
+                time.sleep(0.001)
+            doomed.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        t0 = time.monotonic()
+        learner.send(3, 3)
+        first = learner.result.receivers
+        w4 = learner.send(4, 4)  # re-forms without the dead member
+        elapsed = time.monotonic() - t0
+        killer.join(10)
+        assert first in (0, 2) and learner.result.receivers == 1
+        assert elapsed < 3 * 3 + 8, elapsed
+        deadline = time.monotonic() + 20
+        while sub.update(engine.receiver) != 4:
+            assert time.monotonic() < deadline, "v4 never reached the live worker"
+            time.sleep(0.05)
+        assert_same(state_of(engine), w4)
+    finally:
+        sub.close()
+        learner.close()
+        if doomed.poll() is None:
+            doomed.kill()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+class PeakRSS:
+    """The peak resident memory while a block runs, above what it was before."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.peak = _rss()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def big_model(mb: int) -> nn.Module:
+    layers = [nn.Linear(1024, 1024) for _ in range(mb // 4)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.timeout(180)
+def test_the_sender_builds_no_full_host_copy_and_keeps_to_its_buckets(
+    tmp_path, redis_url, redis_prefix, monkeypatch
+):
+    """A 96 MB model sent over gloo to a member and to a file: no full state dict (the old path's
+    ``get_model_state_dict``) and, once the file mirror exists, no memory beyond the bucket
+    bound; the meter itself sees a full copy when one is made."""
+    import torch.distributed.checkpoint.state_dict as dcp_sd
+
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("publish built a full state dict")
+
+    monkeypatch.setattr(dcp_sd, "get_model_state_dict", refuse)
+    bucket = 1 << 20
+    cfg = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true", "sync.bucket_mb=1")
+    client = redis.Redis.from_url(redis_url)
+    sender = build_sender(cfg, client, 0, "cpu", torch.float32)
+    model = big_model(96)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    hub = sender.hub
+    assert hub is not None
+    got_path = tmp_path / "received.pt"
+    member = subprocess.Popen(
+        [sys.executable, "-c", MEMBER, str(sender.address), str(got_path)], cwd=ROOT
+    )  # (in a process of its own: its buffers are not the learner's memory)
+    try:
+        while int(hub.store.add("tickets", 0)) < 1:
+            time.sleep(0.01)
+        assert sender.send(model, 1).receivers == 1
+        assert sender.files is not None and sender.files.wait(60)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        allocated = hub.pool.allocated
+        with PeakRSS() as meter:
+            assert sender.send(model, 2).receivers == 1
+        assert sender.files.wait(60)
+        assert hub.pool.allocated == allocated  # steady state: the buffers are reused
+        assert allocated <= IN_FLIGHT + 2
+        bound = (IN_FLIGHT + 2) * bucket + (16 << 20)  # buckets + one bucket's gather + slack
+        assert meter.growth < bound, (meter.growth, bound, model_bytes)
+        with PeakRSS() as calibration:  # what a full host copy looks like to the meter
+            copy = [p.detach().clone() for p in model.parameters()]
+        assert calibration.growth > 0.8 * model_bytes
+        del copy
+        assert member.wait(60) == 0
+        got = torch.load(got_path)
+        want = dict(published_tensors(model))
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    finally:
+        if member.poll() is None:
+            member.kill()
+        sender.close()
+
+
+MEMBER = """
+import sys, time, torch
+from reval.weights.receiver import LocalReceiver
+got = {}
+def load(tensors, version):
+    if version == 2:
+        got.update((n, t.clone()) for n, t in tensors)
+r = LocalReceiver(load, "cpu")
+assert r.join(sys.argv[1], "member", 20.0)
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    r.take(None)
+    time.sleep(0.01)
+torch.save(got, sys.argv[2])
+r.leave()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_learner_never_waits_for_the_disk(tmp_path, redis_url, redis_prefix, monkeypatch):
+    """While a file is being written (here: a disk that takes 2 s), the next versions are
+    announced and broadcast at once, their files skipped; a worker without the broadcast keeps
+    the older file's version and loads the next file written."""
+    cfg = config(tmp_path, redis_url, redis_prefix)
+    client = redis.Redis.from_url(redis_url)
+    learner = Learner(cfg, client)
+    store = learner.sender.store
+    assert store is not None
+    slow = threading.Event()
+    atomic = store._atomic
+
+    def slow_atomic(path: Path, write: object) -> None:
+        if slow.is_set():
+            time.sleep(2.0)
+        atomic(path, write)
+
+    monkeypatch.setattr(store, "_atomic", slow_atomic)
+    engine = hf_engine(cfg, 1)
+    sub = build_subscriber(cfg, client, "files-only")
+    try:
+        learner.send(1, 1)
+        assert sub.update(engine.receiver) == 1
+        slow.set()
+        t0 = time.monotonic()
+        w2 = learner.send(2, 2, wait_file=False)
+        learner.send(3, 3, wait_file=False)
+        assert not learner.result.file  # v2's file still being written: v3's skipped
+        assert time.monotonic() - t0 < 1.5  # the learner did not wait for the disk
+        ann = store.latest()
+        assert ann is not None and ann.version == 3 and ann.file_version == 1
+        assert sub.update(engine.receiver) is None and sub.version == 1
+        assert learner.sender.files is not None and learner.sender.files.wait(30)
+        assert learner.sender.files.skipped == 1
+        assert sub.update(engine.receiver) == 2  # the newest file: two versions lag at most
+        assert_same(state_of(engine), w2)
+    finally:
+        sub.close()
+        learner.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_resumed_learner_is_followed_to_a_lower_version(tmp_path, redis_url, redis_prefix):
     cfg = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true")
     client = redis.Redis.from_url(redis_url)
-    first = build_publisher(cfg, client, "cpu")
+    first = Learner(cfg, client)
     engine = hf_engine(cfg, 1)
     sub = build_subscriber(cfg, client, "w")
-    second = None
+    second = third = None
     try:
-        first.publish(learner_weights(cfg, 1).items(), 5)
-        assert sub.update(engine) == 5 and sub.hub == first.address
+        first.send(1, 5)
+        assert sub.update(engine.receiver) == 5 and sub.hub == first.address
         first.close()
-        second = build_publisher(cfg, client, "cpu")  # resumed from step 3, on a new port
+        second = Learner(cfg, client)  # resumed from step 3, on a new port: a new lineage
         assert second.address != first.address
-        w3 = learner_weights(cfg, 3)
-        second.publish(w3.items(), 3)
-        assert sub.update(engine) == 3 and sub.source == "file" and sub.hub == second.address
+        assert second.sender.lineage != first.sender.lineage
+        w3 = second.send(3, 3)
+        assert sub.update(engine.receiver) == 3 and sub.source == "file"
+        assert sub.hub == second.address
         assert_same(state_of(engine), w3)
-        joined(second, 1)
-        w4 = learner_weights(cfg, 4)
-        assert second.publish(w4.items(), 4).receivers == 1
+        second.joined(1)
+        w4 = second.send(4, 4)
+        assert second.result.receivers == 1
         received(sub, 1)
-        assert sub.update(engine) == 4 and sub.source == "broadcast"
+        assert sub.update(engine.receiver) == 4 and sub.source == "broadcast"
         assert_same(state_of(engine), w4)
+        second.close()
         # Restarted once more, without a hub: the subscriber leaves the old one. Versions 3-5
-        # are still on disk; the lower version 2 is the newest file, not the first pruned.
-        store = WeightStore(client, redis_prefix, "ws", cfg.run_dir / "weights")
-        store.publish(w3.items(), 2)
-        ann = store.latest()
+        # are on disk; the lower version 2 is the newest file, not the first pruned.
+        third = Learner(config(tmp_path, redis_url, redis_prefix), client)
+        w2 = third.send(2, 2)
+        ann = third.sender.store.latest()  # type: ignore[union-attr]
         assert ann is not None and ann.version == 2 and ann.broadcast is None
         on_disk = sorted(p.name for p in (cfg.run_dir / "weights").iterdir())
         assert on_disk == [f"v0000000{v}.safetensors" for v in (2, 3, 4)]
-        assert sub.update(engine) == 2 and sub.source == "file"
-        assert sub.hub is None and sub.backend is None
-        assert_same(state_of(engine), w3)
+        assert sub.update(engine.receiver) == 2 and sub.source == "file"
+        assert sub.hub is None and not sub._receiver
+        assert_same(state_of(engine), w2)
     finally:
         sub.close()
-        if second is not None:
-            second.close()
+        for learner in (second, third):
+            if learner is not None:
+                learner.close()
+
+
+def test_a_new_lineage_does_not_offer_the_old_ones_file(tmp_path, redis_url, redis_prefix):
+    """A resumed learner's first announcement drops the previous learner's file: a worker never
+    takes the old lineage's file for the new one's."""
+    cfg = config(tmp_path, redis_url, redis_prefix)
+    client = redis.Redis.from_url(redis_url)
+    store = WeightStore(client, redis_prefix, "ws", cfg.run_dir / "weights")
+    store.announce(5, "old", None, first=True)
+    path = store.write([("x", torch.ones(2))], 5)
+    assert store.announce_file(5, path, "old")
+    store.announce(3, "new", None, first=True)
+    ann = store.latest()
+    assert ann is not None and (ann.version, ann.lineage, ann.path) == (3, "new", None)
+    assert not store.announce_file(5, path, "old")  # the old learner's late writer: ignored
+    assert store.latest().path is None  # type: ignore[union-attr]
 
 
 def test_an_nccl_hub_and_an_engine_off_cuda_means_files(tmp_path, redis_url, redis_prefix):
     cfg = config(tmp_path, redis_url, redis_prefix)
     client = redis.Redis.from_url(redis_url)
     store = WeightStore(client, redis_prefix, "ws", cfg.run_dir / "weights")
-    w = learner_weights(cfg, 1)
-    store.publish(w.items(), 2, broadcast="nccl://127.0.0.1:9/s")
+    w = dict(published_tensors(load_policy(cfg.model, 3).model))
+    store.announce(2, "l", "nccl://127.0.0.1:9/s", first=True)
+    store.announce_file(2, store.write(w.items(), 2), "l")
     engine = hf_engine(cfg, 1)
     sub = build_subscriber(cfg, client, "w")
     try:
-        assert sub.update(engine) == 2 and sub.source == "file"
-        assert sub.hub == "nccl://127.0.0.1:9/s" and sub.backend is None
-        assert not sub.joined_broadcast
-        assert_same(state_of(engine), w)
-        store.publish(w.items(), 3, broadcast="nccl://127.0.0.1:9/s")
-        assert sub.update(engine) == 3 and sub.backend is None
+        assert sub.update(engine.receiver) == 2 and sub.source == "file"
+        assert sub.hub == "nccl://127.0.0.1:9/s" and not sub.joined_broadcast
+        assert all(torch.equal(engine.model.get_parameter(n), t) for n, t in w.items())
+        store.announce(3, "l", "nccl://127.0.0.1:9/s", first=False)
+        store.announce_file(3, store.write(w.items(), 3), "l")
+        assert sub.update(engine.receiver) == 3
     finally:
         sub.close()
 
 
-def test_publisher_without_a_hub_and_the_backend_choice(tmp_path, redis_url, redis_prefix):
+def test_sender_without_a_hub_and_the_backend_choice(tmp_path, redis_url, redis_prefix):
     client = redis.Redis.from_url(redis_url)
     cfg = config(tmp_path, redis_url, redis_prefix)
-    publisher = build_publisher(cfg, client, "cpu")
-    assert publisher.hub is None and publisher.address is None
-    w = learner_weights(cfg, 1)
-    r = publisher.publish(iter(w.items()), 4)  # any iterable, read once
-    assert r.receivers == 0 and r.path == cfg.run_dir / "weights" / "v00000004.safetensors"
-    ann = publisher.store.latest()
-    assert ann is not None and ann.version == 4 and ann.broadcast is None
+    sender = build_sender(cfg, client, 0, "cpu", torch.float32)
+    assert sender.hub is None and sender.address is None
+    assert build_sender(cfg, None, 1, "cpu", torch.float32).store is None  # other ranks gather
     # sync.backend overrides the choice from the device; an NCCL hub needs a CUDA device.
-    gloo = build_publisher(
+    gloo = build_sender(
         config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true", "sync.backend=gloo",
                "sync.broadcast_host=learner-0", "sync.broadcast_bind=127.0.0.1"),
-        client,
-        "cuda",
+        client, 0, "cuda", torch.bfloat16,
     )  # fmt: skip
     try:
         assert gloo.hub is not None and gloo.hub.backend == "gloo"
@@ -365,7 +539,7 @@ def test_publisher_without_a_hub_and_the_backend_choice(tmp_path, redis_url, red
         gloo.close()
     nccl = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true", "sync.backend=nccl")
     with pytest.raises(ValueError, match="CUDA"):
-        build_publisher(nccl, client, "cpu")
+        build_sender(nccl, client, 0, "cpu", torch.float32)
 
 
 def test_the_worker_uses_only_the_subscriber():
@@ -382,41 +556,49 @@ def test_the_worker_uses_only_the_subscriber():
             names.add(node.id)
         elif isinstance(node, ast.Attribute):
             names.add(node.attr)
-    forbidden = {"WeightStore", "BroadcastReceiver", "BroadcastHub", "reval.broadcast"}
+    forbidden = {"WeightStore", "BroadcastReceiver", "BroadcastHub", "LocalReceiver",
+                 "reval.weights.collective"}  # fmt: skip
     assert not names & forbidden
     assert not any(word in source for word in forbidden)
     assert "build_subscriber" in names and "update" in names
 
 
+def test_the_engines_implement_the_receiver_protocol_without_probing():
+    """Every engine declares its receiver; nothing on the weight path asks an engine with
+    ``getattr`` what it can do."""
+    from reval.weights.receiver import LocalReceiver, WeightReceiver
+    from rollout.vllm_engine import VLLMReceiver
+
+    for cls in (LocalReceiver, VLLMReceiver):
+        for name in ("load_file", "join", "take", "received", "leave"):
+            assert callable(getattr(cls, name)), (cls, name)
+            assert name in WeightReceiver.__dict__
+    for path in ("reval/weights/receiver.py", "reval/weights/sender.py"):
+        assert "getattr(" not in (ROOT / path).read_text(), path
+
+
 def test_an_auto_broadcast_host_announces_the_learners_own_address(
     tmp_path, redis_url, redis_prefix, monkeypatch
 ):
-    """``sync.broadcast_host = "auto"``: the hub is announced at the address other hosts reach
-    the learner at (its host name resolved), not at the loopback address."""
-    import reval.weight_sync as ws
+    import reval.weights.sender as ws
 
     monkeypatch.setattr(ws.socket, "getfqdn", lambda: "learner-0.reval.svc")
     monkeypatch.setattr(
         ws.socket, "gethostbyname", lambda name: {"learner-0.reval.svc": "10.4.0.7"}[name]
     )
     client = redis.Redis.from_url(redis_url)
-    cfg = config(
-        tmp_path,
-        redis_url,
-        redis_prefix,
-        "sync.broadcast=true",
-        "sync.broadcast_host=auto",
-        "sync.broadcast_bind=127.0.0.1",  # (10.4.0.7 is not this machine's)
-    )
-    publisher = build_publisher(cfg, client, "cpu")
+    cfg = config(tmp_path, redis_url, redis_prefix, "sync.broadcast=true",
+                 "sync.broadcast_host=auto", "sync.broadcast_bind=127.0.0.1")  # fmt: skip
+    learner = Learner(cfg, client)
     try:
-        assert publisher.hub is not None
-        assert publisher.address == f"gloo://10.4.0.7:{publisher.hub.port}/{publisher.hub.secret}"
-        publisher.publish(learner_weights(cfg, 1).items(), 1)  # (no member: nothing is sent)
-        ann = publisher.store.latest()
-        assert ann is not None and ann.broadcast == publisher.address
+        hub = learner.sender.hub
+        assert hub is not None
+        assert learner.address == f"gloo://10.4.0.7:{hub.port}/{hub.secret}"
+        learner.send(1, 1)  # (no member: nothing is sent)
+        ann = learner.sender.store.latest()  # type: ignore[union-attr]
+        assert ann is not None and ann.broadcast == learner.address
     finally:
-        publisher.close()
+        learner.close()
     monkeypatch.setattr(ws.socket, "gethostbyname", lambda name: (_ for _ in ()).throw(OSError()))
     assert ws.discover_host() == "learner-0.reval.svc"  # a name that does not resolve: as is
 
@@ -425,27 +607,80 @@ def test_an_auto_broadcast_host_announces_the_learners_own_address(
 def test_an_unreadable_announced_file_keeps_the_weights_in_hand(
     tmp_path, redis_url, redis_prefix, damage
 ):
-    """The weights-file race (issue 19): the learner prunes (or a shared volume cuts short) the
-    file a worker is about to read. safetensors raises FileNotFoundError for a missing file but
-    SafetensorError for a damaged one; neither may end the worker."""
+    """The weights-file race: the learner prunes (or a shared volume cuts short) the file a
+    worker is about to read; neither may end the worker."""
     cfg = config(tmp_path, redis_url, redis_prefix)
     client = redis.Redis.from_url(redis_url)
-    store = WeightStore(client, redis_prefix, "ws", cfg.run_dir / "weights")
+    learner = Learner(cfg, client)
     engine = hf_engine(cfg, 1)
-    sub = WeightSubscriber(store, "w")
-    w1 = learner_weights(cfg, 1)
-    store.publish(w1.items(), 1)
-    assert sub.update(engine) == 1
-    path = store.publish(learner_weights(cfg, 2).items(), 2)
-    if damage == "pruned":
-        path.unlink()
-    elif damage == "cut short":
-        path.write_bytes(path.read_bytes()[:-64])
-    else:
-        path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
-    assert sub.update(engine) is None  # before: SafetensorError out of the worker's loop
-    assert sub.version == 1
-    assert_same(state_of(engine), w1)
-    store.publish(learner_weights(cfg, 3).items(), 3)
-    assert sub.update(engine) == 3  # the next announcement is read as usual
-    sub.close()
+    sub = WeightSubscriber(learner.sender.store, "w")  # type: ignore[arg-type]
+    try:
+        w1 = learner.send(1, 1)
+        assert sub.update(engine.receiver) == 1
+        learner.send(2, 2)
+        path = learner.sender.store.path_of(2)  # type: ignore[union-attr]
+        if damage == "pruned":
+            path.unlink()
+        elif damage == "cut short":
+            path.write_bytes(path.read_bytes()[:-64])
+        else:
+            path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+        assert sub.update(engine.receiver) is None
+        assert sub.version == 1
+        assert_same(state_of(engine), w1)
+        learner.send(3, 3)
+        assert sub.update(engine.receiver) == 3  # the next announcement is read as usual
+    finally:
+        sub.close()
+        learner.close()
+
+
+def test_two_ranks_gather_and_rank_0_sends(tmp_path, redis_url, redis_prefix):
+    """Under FSDP2 over two gloo ranks every rank gathers each tensor in the compute dtype and
+    rank 0's file holds the full weights, bit for bit the model's cast."""
+    script = tmp_path / "two_ranks.py"  # (spawned ranks import their function from a file)
+    script.write_text(TWO_RANKS)
+    out = subprocess.run(
+        [sys.executable, str(script), redis_url, redis_prefix, str(tmp_path)],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "same"
+
+
+TWO_RANKS = r"""
+import os, sys, socket
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank_main(rank, port, url, prefix, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    import redis
+    from torch.distributed.device_mesh import init_device_mesh
+    from reval.config import load_config
+    from reval.policy import load_policy
+    from learner.parallel import shard
+    from reval.weights.sender import build_sender
+    cfg = load_config(overrides=["buffer.backend=redis", f"buffer.redis_url={url}",
+        f"buffer.key_prefix={prefix}", f"output_dir={out}", "name=two", "sync.bucket_mb=0.02"],
+        environ={})
+    model = load_policy(cfg.model, 0).model
+    full = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.named_parameters()}
+    shard(model, init_device_mesh("cpu", (2,)), torch.bfloat16)
+    client = redis.Redis.from_url(url) if rank == 0 else None
+    sender = build_sender(cfg, client, rank, "cpu", torch.bfloat16)
+    sender.send(model, 1)
+    if rank == 0:
+        from safetensors.torch import load_file
+        sender.files.wait(60)
+        got = load_file(str(sender.store.latest().path))
+        same = got.keys() == full.keys() and all(torch.equal(got[k], full[k]) for k in full)
+        print("same" if same else "different", flush=True)
+    sender.close()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    mp.spawn(rank_main, args=(port, *sys.argv[1:4]), nprocs=2)
+"""

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from learner.batches import micro_batches
 from learner.parallel import backend_for, mixed_precision, rank_device
 from learner.sequence import chunked_logp_lse, sequence_stats
-from reval.broadcast import NCCL_ENV, apply_nccl_env
 from reval.config import AlgoConfig, LearnerConfig, ModelConfig
 from reval.policy import load_policy
+from reval.weights.collective import NCCL_ENV, apply_nccl_env
 from tests.conftest import make_traj
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)

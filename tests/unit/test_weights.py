@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reval.weights import ALIGN, Bucket, BufferPool, pack_buckets, plan_buckets, unpack_bucket
+from reval.weights.buckets import (
+    ALIGN,
+    Bucket,
+    BufferPool,
+    pack_buckets,
+    plan_buckets,
+    unpack_bucket,
+)
 
 
 def named():

@@ -48,6 +48,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ from torch import Tensor
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from reval.weights import Bucket, BufferPool, plan_buckets, unpack_bucket
+from reval.weights.buckets import Bucket, BufferPool, PlannedBucket, plan_buckets, unpack_bucket
 
 IN_FLIGHT = 3
 
@@ -142,6 +143,16 @@ def _sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class _Sending:
+    """A sync under way: its buckets in flight (pool buffer, collective work)."""
+
+    version: int
+    seq: int
+    in_flight: list[tuple[Tensor | None, Any]] = field(default_factory=list)
+    failed: BaseException | None = None
+
+
 class BroadcastHub:
     """The learner's side (rank 0 only)."""
 
@@ -187,6 +198,7 @@ class BroadcastHub:
         self.seq = 0
         self.syncs = 0
         self.failures = 0
+        self._sending: _Sending | None = None
 
     def _tickets(self) -> list[int]:
         n = int(self.store.add("tickets", 0))
@@ -236,48 +248,85 @@ class BroadcastHub:
 
     def sync(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> int:
         """Send ``version`` to every member; returns how many received it (0 if none or on a
-        failure, after at most ``timeout`` of waiting)."""
+        failure, after at most ``timeout`` of waiting). The learner's ``WeightSender`` runs the
+        same three steps (``start``, ``send`` per bucket, ``finish``) with buckets it gathers."""
+        plan = plan_buckets(named_tensors, self.bucket_bytes, version)
+        if not self.start(version, plan):
+            return 0
+        for planned in plan:
+            buf = self.pool.get(planned.nbytes, self.device)
+            self.send(planned.pack(out=buf).data, buf)
+        return self.finish()
+
+    def start(self, version: int, plan: list[PlannedBucket]) -> bool:
+        """Begin a sync of ``version`` laid out as ``plan`` (its headers go ahead through the
+        store): re-forms the group when the members changed. False: nobody to send to."""
+        self._sending = None
         wanted = self._tickets()
         if wanted != self.members or self.pg is None:
             if not wanted:
                 self.members, self.pg = [], None
-                return 0
+                return False
             self._form(wanted)
             if self.pg is None:
-                return 0
-        plan = plan_buckets(named_tensors, self.bucket_bytes, version)
+                return False
         g, seq = self.generation, self.seq + 1
         headers = [b.header() for b in plan]
         self.store.set(f"sync/{g}/{seq}", json.dumps([version, [h.hex() for h in headers]]))
+        self._sending = _Sending(version, seq)
+        return True
+
+    def send(self, data: Tensor, buf: Tensor | None = None) -> None:
+        """Broadcast the next bucket's bytes (asynchronously: at most ``IN_FLIGHT`` buckets
+        in flight; ``buf``, the pool buffer holding ``data``, goes back to ``pool`` once sent).
+        After a failure the rest of the sync is skipped (``finish`` reports it)."""
+        s = self._sending
+        if s is None or s.failed is not None:
+            if buf is not None:
+                self.pool.put(buf)
+            return
         try:
-            # Packing the next bucket overlaps sending this one (at most IN_FLIGHT buckets
-            # packed and not yet sent: bounded extra memory).
-            # Buckets are packed into reused buffers (no page faults: see BufferPool).
-            in_flight: list[tuple[Tensor, Tensor, Any]] = []
-            for planned in plan:
-                buf = self.pool.get(planned.nbytes, planned.device)
-                data = planned.pack(out=buf).data
-                if data.device != self.device:
-                    data = data.to(self.device, non_blocking=True)
-                in_flight.append((buf, data, self.pg.broadcast(data, 0)))
-                if len(in_flight) > IN_FLIGHT:
-                    done, _, work = in_flight.pop(0)
-                    work.wait()
-                    self.pool.put(done)
-            for done, _, work in in_flight:
-                work.wait()
-                self.pool.put(done)
-            _sync_device(self.device)  # NCCL's wait() orders streams; this waits for the bytes
+            if data.device != self.device:
+                data = data.to(self.device, non_blocking=True)
+            s.in_flight.append((buf, self.pg.broadcast(data, 0)))
+            while len(s.in_flight) > IN_FLIGHT:
+                self._retire(s)
         except RuntimeError as err:  # a member died or stalled: the collective timed out
+            s.failed = err
+
+    def _retire(self, s: _Sending) -> None:
+        done, work = s.in_flight.pop(0)
+        try:
+            work.wait()
+        finally:
+            if done is not None:
+                self.pool.put(done)
+
+    def finish(self) -> int:
+        """Wait for the sync's last buckets; how many members received it (0 on a failure)."""
+        s, self._sending = self._sending, None
+        if s is None:
+            return 0
+        try:
+            while s.in_flight:
+                self._retire(s)
+            _sync_device(self.device)  # NCCL's wait() orders streams; this waits for the bytes
+        except RuntimeError as err:
+            s.failed = s.failed or err
+        if s.failed is not None:
+            for done, _ in s.in_flight:
+                if done is not None:
+                    self.pool.put(done)
             self.failures += 1
-            log.warning("sync of v%d failed (%s); the next sync re-forms the group", version, err)
+            log.warning("sync of v%d failed (%s); the next sync re-forms the group",
+                        s.version, s.failed)  # fmt: skip
             _abort(self.pg)
             self.pg = None
             self.members = []
             return 0
-        self.seq = seq
+        self.seq = s.seq
         self.syncs += 1
-        self.store.set(f"done/{g}", str(seq))
+        self.store.set(f"done/{self.generation}", str(s.seq))
         return len(self.members)
 
     def close(self) -> None:

@@ -1,0 +1,332 @@
+"""The file transport and the announcement: versions as safetensors files in a shared directory,
+announced in the run's Redis hash ``{prefix}{run}:weights``.
+
+The hash (``WeightStore``):
+
+- ``version``, ``time``, ``lineage``: the newest version the learner published (a broadcast's
+  members get it at once), its time, and the learner's id (``lineage``: a resumed learner starts
+  a new one, and its versions may be lower than the last learner's);
+- ``broadcast``: ``backend://host:port/secret`` of the learner's hub, when it broadcasts;
+- ``path``, ``file_version``, ``file_time``: the newest version written to a file. The file is
+  written in the background (``FileWriter``): it may lag ``version``, never by more than the
+  versions published while the previous file was written (the learner skips a version's file
+  rather than wait for the disk). A new lineage starts without a file: its first one follows.
+
+Files are ``{dir}/v{version:08d}.safetensors``, written to a temporary name and renamed (a reader
+never sees half a file); the last ``keep`` stay on disk so that a slow reader keeps its file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from reval.config import RunConfig
+from reval.paths import free_space, last_line
+from reval.retry import retry_redis
+from reval.weights.buckets import TensorMeta
+
+log = logging.getLogger("reval.weights")
+
+UNREADABLE: tuple[type[BaseException], ...] = (OSError, SafetensorError)
+"""What reading an announced weights file raises when the file is gone or damaged: safetensors
+0.8 raises FileNotFoundError (an OSError) for a missing file, OSError for other I/O faults
+(a stale handle on a shared volume), and SafetensorError (not an OSError, not a RuntimeError)
+for a file cut short; none of these may end a worker."""
+
+_ST_DTYPES = {
+    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}  # fmt: skip
+
+
+class WeightWriteError(OSError):
+    """A version's file could not be written (disk full, read-only, gone); nothing of it is
+    left, and it was not announced as a file."""
+
+
+@dataclass(frozen=True)
+class Announcement:
+    version: int
+    """The newest version published."""
+    path: Path | None
+    """The newest version's file written so far (None: none yet in this lineage)."""
+    file_version: int | None
+    """The version of ``path``."""
+    time: float
+    broadcast: str | None = None
+    """``backend://host:port/secret`` of the learner's hub when it broadcasts."""
+    lineage: str = ""
+    """The publishing learner's id (a resumed learner has a new one)."""
+
+
+def weights_key(prefix: str, run: str) -> str:
+    return f"{prefix}{{{run}}}:weights"
+
+
+_ANNOUNCE_FILE = """
+if redis.call('HGET', KEYS[1], 'lineage') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'path', ARGV[2], 'file_version', ARGV[3], 'file_time', ARGV[4])
+return 1
+"""
+
+
+class WeightStore:
+    """The announcement in Redis and the files on disk (the learner's sender writes it; the
+    workers' subscribers and ``reval eval --follow`` read it)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        key_prefix: str,
+        run: str,
+        directory: str | Path,
+        keep: int = 3,
+        retry_s: float = 30.0,
+    ) -> None:
+        self.client = client
+        self.key = weights_key(key_prefix, run)
+        self.dir = Path(directory)
+        self.keep = max(1, keep)
+        self.retry_s = retry_s
+        self._announce_file = client.register_script(_ANNOUNCE_FILE)
+
+    def _retry(self, fn: Any) -> Any:
+        return retry_redis(fn, self.retry_s, "weights announcement", log)
+
+    def announce(self, version: int, lineage: str, broadcast: str | None, first: bool) -> None:
+        """Announce ``version`` of ``lineage`` (``first``: the lineage's first, which drops the
+        previous lineage's file and hub from the hash)."""
+        mapping: dict[str, Any] = {"version": version, "time": time.time(), "lineage": lineage}
+        if broadcast:
+            mapping["broadcast"] = broadcast
+
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            gone = ["path", "file_version", "file_time"] if first else []
+            if not broadcast:  # (a learner restarted without a hub: no stale address)
+                gone.append("broadcast")
+            if gone:
+                pipe.hdel(self.key, *gone)
+            pipe.hset(self.key, mapping=mapping)
+            pipe.execute()
+
+        self._retry(run)
+
+    def announce_file(self, version: int, path: Path, lineage: str) -> bool:
+        """Announce ``path`` as ``version``'s file, unless another lineage took over the hash."""
+        args = [lineage, str(path), version, time.time()]
+        return bool(self._retry(lambda: self._announce_file(keys=[self.key], args=args)))
+
+    def path_of(self, version: int) -> Path:
+        return self.dir / f"v{version:08d}.safetensors"
+
+    def write(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> Path:
+        """Write ``version``'s file from tensors in hand (synchronously; not announced)."""
+        path = self.path_of(version)
+        self._atomic(path, lambda tmp: save_tensors(named_tensors, tmp, version))
+        return path
+
+    def _atomic(self, path: Path, write: Any) -> None:
+        """``write(tmp)``, then rename to ``path``; a failure leaves nothing and raises
+        ``WeightWriteError`` with one line (the file, the free space, the cause)."""
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write(tmp)
+            now = time.time_ns()  # (the file system's own clock may tick only every few ms)
+            os.utime(tmp, ns=(now, now))
+            os.replace(tmp, path)
+        except (OSError, SafetensorError) as err:  # a full disk, a read-only or vanished volume
+            tmp.unlink(missing_ok=True)
+            raise WeightWriteError(
+                f"could not write weights {path} ({free_space(self.dir)}): {last_line(err)}"
+            ) from None
+        self._prune(path)
+
+    def _prune(self, newest: Path) -> None:
+        """Keep the ``keep`` versions written last (by time, not by number: a learner resumed
+        from an earlier checkpoint writes lower versions, which must not go first)."""
+
+        def written(p: Path) -> int:
+            try:
+                return p.stat().st_mtime_ns
+            except FileNotFoundError:
+                return -1
+
+        files = [p for p in self.dir.glob("v*.safetensors") if p != newest]
+        files.sort(key=lambda p: (written(p), p.name))
+        for old in files[: max(0, len(files) - (self.keep - 1))]:
+            old.unlink(missing_ok=True)
+
+    def latest(self) -> Announcement | None:
+        """The newest announcement, or None before the learner published a version."""
+        raw = self._retry(lambda: self.client.hgetall(self.key))
+        if not raw or b"version" not in raw:
+            return None
+        has_file = b"path" in raw and b"file_version" in raw
+        return Announcement(
+            version=int(raw[b"version"]),
+            path=Path(raw[b"path"].decode()) if has_file else None,
+            file_version=int(raw[b"file_version"]) if has_file else None,
+            time=float(raw.get(b"time", 0.0)),
+            broadcast=raw[b"broadcast"].decode() if b"broadcast" in raw else None,
+            lineage=raw.get(b"lineage", b"").decode(),
+        )
+
+    @staticmethod
+    def load(path: Path) -> list[tuple[str, Tensor]]:
+        """The tensors of a version's file (raises one of ``UNREADABLE`` if it was pruned or
+        is damaged)."""
+        return list(load_file(str(path)).items())
+
+
+def run_store(cfg: RunConfig, client: redis.Redis) -> WeightStore:
+    """The run's announcement and files (``sync.weights_dir``, default ``{run_dir}/weights``)."""
+    weights_dir = cfg.sync.weights_dir or str(cfg.run_dir / "weights")
+    return WeightStore(client, cfg.buffer.key_prefix, cfg.name, weights_dir)
+
+
+def save_tensors(named_tensors: Iterable[tuple[str, Tensor]], path: Path, version: int) -> None:
+    """A safetensors file of tensors in hand; tied weights (aliases of one storage, which
+    safetensors refuses) get a copy each."""
+    tensors: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for name, t in named_tensors:
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        tensors[name] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    save_file(tensors, str(path), metadata={"version": str(version)})
+
+
+def safetensors_header(metas: list[TensorMeta], version: int) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file whose data are ``metas``' bytes
+    back to back, in order (``offset`` is ignored: the file has no gaps)."""
+    obj: dict[str, Any] = {"__metadata__": {"version": str(version)}}
+    at = 0
+    for m in metas:
+        obj[m.name] = {"dtype": _ST_DTYPES[m.dtype], "shape": list(m.shape),
+                       "data_offsets": [at, at + m.nbytes]}  # fmt: skip
+        at += m.nbytes
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # (safetensors pads its header to 8 bytes)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class FileWriter:
+    """Writes versions' files off the learner's critical path: the sender copies each packed
+    tensor into a host mirror as it goes (``begin``/``copy``/``commit``; on a GPU an
+    asynchronous copy into pinned memory), and a thread writes the mirror to disk and announces
+    the file. The mirror (one copy of the weights in the compute dtype, the file's exact data)
+    is allocated once and reused. While a file is being written the next version's is skipped
+    (``skipped``): the learner never waits for the disk. A failed write (a full disk) is logged
+    in one line (the file, the free space) and the run goes on."""
+
+    def __init__(self, store: WeightStore, lineage: str) -> None:
+        self.store = store
+        self.lineage = lineage
+        self._mirror: Tensor | None = None
+        self._busy = threading.Event()
+        self._metas: list[TensorMeta] = []
+        self._at = 0
+        self._version = -1
+        self._event: Any = None
+        self.written = 0
+        self.skipped = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def begin(self, version: int, metas: list[TensorMeta], device: torch.device) -> bool:
+        """Start ``version``'s file (False: the previous one is still being written, skip)."""
+        if self._busy.is_set():
+            self.skipped += 1
+            log.debug("weights v%d: no file (v%d's still being written)", version, self._version)
+            return False
+        total = sum(m.nbytes for m in metas)
+        if self._mirror is None or self._mirror.numel() != total:
+            pin = device.type == "cuda"
+            self._mirror = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        self._metas, self._at, self._version = metas, 0, version
+        self._busy.set()
+        return True
+
+    def copy(self, data: Tensor) -> None:
+        """The next tensor's bytes (a uint8 view, in ``metas`` order), copied asynchronously
+        from a device."""
+        assert self._mirror is not None
+        n = int(data.numel())
+        self._mirror[self._at : self._at + n].copy_(data, non_blocking=data.is_cuda)
+        self._at += n
+
+    def commit(self) -> None:
+        """Hand the mirror to the writing thread (once the device's copies are done)."""
+        assert self._mirror is not None and self._at == self._mirror.numel()
+        self._event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._thread = threading.Thread(target=self._write, name="weights-file", daemon=True)
+        self._thread.start()
+
+    def abort(self) -> None:
+        """Drop the version begun (its copies did not all happen)."""
+        self._busy.clear()
+
+    def _write(self) -> None:
+        version, mirror = self._version, self._mirror
+        assert mirror is not None
+        try:
+            if self._event is not None:
+                self._event.synchronize()
+            header = safetensors_header(self._metas, version)
+            path = self.store.path_of(version)
+
+            def write(tmp: Path) -> None:
+                with open(tmp, "wb") as f:
+                    f.write(header)
+                    f.write(memoryview(mirror.numpy()))
+
+            self.store._atomic(path, write)
+            self.store.announce_file(version, path, self.lineage)
+            self.written += 1
+        except WeightWriteError as err:
+            self.errors += 1
+            self.last_error = str(err)
+            log.error("%s; the workers that read files keep v%s, the broadcast goes on",
+                      err, self._announced())  # fmt: skip
+        except Exception as err:  # Redis away past its retries: the next file announces
+            self.errors += 1
+            self.last_error = last_line(err)
+            log.error("weights v%d: the file was not announced: %s", version, last_line(err))
+        finally:
+            self._busy.clear()
+
+    def _announced(self) -> str:
+        try:
+            ann = self.store.latest()
+        except redis.RedisError:
+            return "?"
+        return "?" if ann is None or ann.file_version is None else str(ann.file_version)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the file being written (tests, a learner that stops); True when idle."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+        return not self._busy.is_set()

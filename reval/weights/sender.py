@@ -1,0 +1,231 @@
+"""The learner's side of the weights: ``WeightSender.send(model, version)``, called by every
+learner rank after an update (``sync.every``).
+
+Every rank takes part in gathering each parameter's full tensor in the compute dtype on its
+device (cast on the shard, then ``DTensor.full_tensor()``: half the bytes of the fp32 masters);
+rank 0 packs them into reused device buckets (``BufferPool``) and, with ``sync.broadcast``,
+sends each bucket over the hub's own group (``collective.BroadcastHub``, NCCL from a GPU, gloo
+from the CPU) while the next bucket is gathered: at most ``IN_FLIGHT`` buckets in flight, no
+full state dict anywhere, no host-side cast. The packed tensors are also copied into the file
+writer's host mirror (asynchronously from a GPU), and the file is written in the background
+(``files.FileWriter``): the learner never waits for the disk.
+
+Order on rank 0: the version is announced (with the hub's address) before it is broadcast, so a
+member is never ahead of the announcement; the file's own announcement follows when written.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import redis
+import torch
+from torch import Tensor, nn
+
+from reval.config import RunConfig
+from reval.weights.buckets import BufferPool, PlannedBucket, plan_buckets
+from reval.weights.collective import IN_FLIGHT, BroadcastHub
+from reval.weights.files import FileWriter, WeightStore, run_store
+
+log = logging.getLogger("reval.weights")
+
+
+@dataclass(frozen=True)
+class SendResult:
+    version: int
+    nbytes: int
+    """Bytes of one copy of the weights in the compute dtype."""
+    receivers: int
+    """Members the broadcast reached (0 without a hub, with none, or after a failed sync)."""
+    file: bool
+    """A file of this version is being written (False: the previous one still was)."""
+
+
+def published_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """What a version holds: the parameters (tied ones once, by their first name) and the
+    persistent buffers, in a fixed order (every rank iterates them alike)."""
+    persistent = set(model.state_dict().keys())
+    out = list(model.named_parameters())
+    out += [(n, b) for n, b in model.named_buffers() if n in persistent]
+    return out
+
+
+def _full(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """The full tensor in ``dtype`` (floating point only), on this rank's device: cast on the
+    shard, then gathered (a collective: every rank calls it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    if t.is_floating_point() and t.dtype != dtype:
+        t = t.to(dtype)
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t
+
+
+class WeightSender:
+    """One per learner rank; only rank 0 holds the store, the hub and the file writer."""
+
+    def __init__(
+        self,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        bucket_bytes: int,
+        store: WeightStore | None = None,
+        hub: BroadcastHub | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.rank, self.dtype, self.device = rank, dtype, torch.device(device)
+        self.bucket_bytes = bucket_bytes
+        self.store, self.hub, self.host = store, hub, host
+        self.lineage = secrets.token_hex(8)
+        """This learner's id in the announcement (a resumed learner is a new lineage)."""
+        self.files = FileWriter(store, self.lineage) if store is not None else None
+        self.pool = hub.pool if hub is not None else BufferPool(keep=IN_FLIGHT + 2)
+        self.sent = 0
+        self._plan: list[PlannedBucket] | None = None
+        self._names: list[str] = []
+
+    @property
+    def address(self) -> str | None:
+        """``backend://host:port/secret`` of the hub, as announced (None without a hub)."""
+        if self.hub is None:
+            return None
+        return f"{self.hub.backend}://{self.host}:{self.hub.port}/{self.hub.secret}"
+
+    def _layout(self, tensors: list[tuple[str, Tensor]], version: int) -> list[PlannedBucket]:
+        """The buckets' layout (computed once: names, shapes and dtypes do not change)."""
+        names = [n for n, _ in tensors]
+        if self._plan is None or names != self._names:
+
+            def shaped() -> Iterator[tuple[str, Tensor]]:
+                for n, t in tensors:
+                    dtype = self.dtype if t.is_floating_point() else t.dtype
+                    yield n, torch.empty(t.shape, dtype=dtype, device="meta")
+
+            self._plan, self._names = plan_buckets(shaped(), self.bucket_bytes), names
+        for planned in self._plan:
+            planned.version = version
+        return self._plan
+
+    @torch.no_grad()
+    def send(self, model: nn.Module, version: int) -> SendResult:
+        """Publish the model's weights as ``version`` (every rank calls it; rank 0's result
+        counts)."""
+        tensors = published_tensors(model)
+        plan = self._layout(tensors, version)
+        nbytes = sum(m.nbytes for b in plan for m in b.metas)
+        lead = self.rank == 0
+        hub = file = False
+        if lead and self.store is not None:
+            self.store.announce(version, self.lineage, self.address, first=self.sent == 0)
+        if lead and self.hub is not None:
+            hub = self.hub.start(version, plan)
+        if lead and self.files is not None:
+            metas = [m for b in plan for m in b.metas]
+            file = self.files.begin(version, metas, self.device)
+        source = iter(tensors)
+        try:
+            for planned in plan:
+                fulls = [_full(next(source)[1], self.dtype) for _ in planned.metas]
+                if not lead or not (hub or file):
+                    continue
+                buf = self.pool.get(planned.nbytes, self.device)
+                planned.tensors = fulls
+                data = planned.pack(out=buf).data
+                planned.tensors = []
+                if file:
+                    assert self.files is not None
+                    for m in planned.metas:
+                        self.files.copy(data[m.offset : m.offset + m.nbytes])
+                if hub:
+                    assert self.hub is not None
+                    self.hub.send(data, buf)
+                else:
+                    self.pool.put(buf)
+        except BaseException:
+            if file and self.files is not None:
+                self.files.abort()
+            raise
+        receivers = self.hub.finish() if hub and self.hub is not None else 0
+        if file and self.files is not None:
+            self.files.commit()
+        self.sent += 1
+        return SendResult(version, nbytes, receivers, file)
+
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.wait(timeout=60)
+        if self.hub is not None:
+            self.hub.close()
+
+
+def build_sender(
+    cfg: RunConfig,
+    client: redis.Redis | None,
+    rank: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> WeightSender:
+    """A learner rank's sender (``client``: rank 0's Redis; other ranks only gather): files in
+    ``sync.weights_dir`` announced in Redis, and with ``sync.broadcast`` a hub on
+    ``sync.broadcast_port`` announced at ``sync.broadcast_host``. The hub speaks NCCL from a
+    CUDA device and gloo otherwise, unless ``sync.backend`` says which."""
+    device = torch.device(device)
+    bucket_bytes = int(cfg.sync.bucket_mb * (1 << 20))
+    if rank != 0 or client is None:
+        return WeightSender(rank, dtype, device, bucket_bytes)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if cfg.sync.backend != "auto":
+        backend = cfg.sync.backend
+    host = cfg.sync.broadcast_host
+    announced = discover_host() if host == "auto" else host
+    hub = None
+    if cfg.sync.broadcast:
+        bind = cfg.sync.broadcast_bind or bind_address(announced)
+        hub = BroadcastHub(
+            cfg.sync.broadcast_port,
+            host=bind,
+            timeout_s=cfg.sync.timeout_s,
+            bucket_bytes=bucket_bytes,
+            backend=backend,
+            device=device if backend == "nccl" else "cpu",
+        )
+        log.info("broadcast hub (%s) listening on %s port %d", backend, bind, hub.port)
+    return WeightSender(rank, dtype, device, bucket_bytes, run_store(cfg, client), hub, announced)
+
+
+def bind_address(announced: str) -> str:
+    """Where the hub listens when ``sync.broadcast_bind`` is unset: the address it is announced
+    at (an IP address as is, a name resolved), so it is reachable where the workers look for it
+    and nowhere else; every interface only for a name that does not resolve (logged)."""
+    try:
+        return socket.getaddrinfo(announced, None)[0][4][0]
+    except OSError:
+        log.warning("broadcast host %r does not resolve: the hub listens on every interface",
+                    announced)  # fmt: skip
+        return "0.0.0.0"
+
+
+def discover_host() -> str:
+    """This process's address as other hosts reach it (``sync.broadcast_host = "auto"``): the
+    Ray node's IP inside a Ray worker (``reval launch``), else the fully qualified host name
+    resolved to an address, as torch.distributed's elastic agent names its hosts (a container's
+    or a pod's name resolves to its own address); the name itself if it does not resolve."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    name = socket.getfqdn()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return name
