@@ -85,3 +85,12 @@ def redis_prefix(redis_url: str):
     if keys:
         client.delete(*keys)
     client.close()
+
+
+def announce_weights(store, named_tensors, version: int, broadcast=None, lineage: str = "test"):
+    """A learner's announcement of ``version`` as the workers see it (tests that play the
+    learner without a model): the version, then its file. Returns the file's path."""
+    store.announce(version, lineage, broadcast, first=False)
+    path = store.write(named_tensors, version)
+    assert store.announce_file(version, path, lineage)
+    return path

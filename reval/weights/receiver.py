@@ -155,6 +155,13 @@ class WeightSubscriber:
         """The receiver that joined the hub (None: files only)."""
 
     @property
+    def backend(self) -> str | None:
+        """The backend it receives broadcasts with now (None: files only)."""
+        if self._receiver is None or self.hub is None:
+            return None
+        return parse_address(self.hub)[0]
+
+    @property
     def received(self) -> int:
         """Versions the current hub's broadcast has delivered (taken or not)."""
         return self._receiver.received() if self._receiver is not None else 0

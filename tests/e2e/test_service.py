@@ -82,6 +82,13 @@ def version(store: WeightStore) -> int:
     return -1 if ann is None else ann.version
 
 
+def file_version(store: WeightStore) -> int:
+    """The newest version with a file (it may lag the announced one: written in the
+    background)."""
+    ann = store.latest()
+    return -1 if ann is None or ann.file_version is None else ann.file_version
+
+
 def wait_until(cond, timeout: float, procs=()) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -111,7 +118,7 @@ def test_service_end_to_end(tmp_path, redis_url, redis_prefix, broadcast):
             wait_until(lambda: any(exports.glob("step-*/config.json")), 120, procs)
         os.killpg(workers["w1"].pid, signal.SIGKILL)  # a worker dies; the run goes on
         workers["w1"].wait(10)
-        joined_at = version(store)
+        joined_at = file_version(store)
         workers["w2"] = start("rollout", sets, "--worker-id", "w2")  # a newcomer
         wait_until(lambda: version(store) >= 22, 240, [learner, workers["w0"]])
         # The learner dies; the workers go on generating with the weights they have.

@@ -17,6 +17,7 @@ from reval.policy import load_policy
 from rollout.benchmarks import BENCHMARKS, Benchmark, Problem, load_benchmark, parse_rows
 from rollout.engines import Sample, SamplingParams
 from services.evaluate import evaluate_benchmark, table
+from tests.conftest import announce_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -186,7 +187,7 @@ def test_eval_follows_a_run(tmp_path, redis_url, redis_prefix):
     policy = load_policy(ModelConfig(device="cpu"), seed=0)
     client = redis.Redis.from_url(redis_url)
     store = WeightStore(client, redis_prefix, "ev", tmp_path / "ev" / "weights")
-    store.publish(policy.model.state_dict().items(), 0)
+    announce_weights(store, policy.model.state_dict().items(), 0)
     sets = ["buffer.backend=redis", f"buffer.redis_url={redis_url}",
             f"buffer.key_prefix={redis_prefix}", f"output_dir={tmp_path}", "name=ev",
             "eval.samples_per_prompt=2", "rollout.max_new_tokens=4",
@@ -204,10 +205,10 @@ def test_eval_follows_a_run(tmp_path, redis_url, redis_prefix):
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        store.publish(policy.model.state_dict().items(), 3)  # too close to 0: skipped
+        announce_weights(store, policy.model.state_dict().items(), 3)  # too close to 0: skipped
         time.sleep(4)
         assert len(read_jsonl(log)) == 1
-        store.publish(policy.model.state_dict().items(), 5)
+        announce_weights(store, policy.model.state_dict().items(), 5)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -26,6 +26,7 @@ from reval.weights.files import WeightStore
 from rollout.dealer import PromptDealer
 from rollout.tasks import Prompt
 from rollout.worker import RolloutWorker
+from tests.conftest import announce_weights
 from tests.integration.test_redis_buffer import OwnRedis
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +73,7 @@ def publish(cfg, version: int, perturb: float = 0.0, broadcast: str | None = Non
         cfg.name,
         cfg.sync.weights_dir or cfg.run_dir / "weights",
     )
-    store.publish(policy.model.named_parameters(), version, broadcast=broadcast)
+    announce_weights(store, policy.model.named_parameters(), version, broadcast=broadcast)
 
 
 def ring_of(cfg) -> RedisRing:
@@ -150,10 +151,10 @@ def test_weights_are_published_atomically_and_pruned(tmp_path, redis_url, redis_
     store = WeightStore(client, redis_prefix, "run", tmp_path / "w", keep=2)
     assert store.latest() is None
     for v in range(4):
-        store.publish([("a", torch.full((3,), float(v))), ("b", torch.zeros(2))], v)
+        announce_weights(store, [("a", torch.full((3,), float(v))), ("b", torch.zeros(2))], v)
     ann = store.latest()
-    assert ann is not None and ann.version == 3
-    tensors = dict(store.load(ann))
+    assert ann is not None and ann.version == 3 and ann.file_version == 3 and ann.path
+    tensors = dict(store.load(ann.path))
     assert torch.equal(tensors["a"], torch.full((3,), 3.0))
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [
         "v00000002.safetensors",
@@ -166,10 +167,8 @@ def test_tied_weights_publish(tmp_path, redis_url, redis_prefix):
     client = redis.Redis.from_url(redis_url)
     store = WeightStore(client, redis_prefix, "run", tmp_path / "w")
     emb = torch.arange(6.0).reshape(2, 3)
-    store.publish([("embed.weight", emb), ("lm_head.weight", emb), ("b", torch.ones(1))], 1)
-    ann = store.latest()
-    assert ann is not None
-    got = dict(store.load(ann))
+    path = store.write([("embed.weight", emb), ("lm_head.weight", emb), ("b", torch.ones(1))], 1)
+    got = dict(store.load(path))
     assert torch.equal(got["embed.weight"], emb) and torch.equal(got["lm_head.weight"], emb)
 
 
