@@ -97,6 +97,17 @@ class LearnerMetrics:
         self.workers = Gauge(f"{p}workers_alive", "Rollout workers registered", registry=r)
         self.paused = Gauge(f"{p}paused", "1 while the run is paused", registry=r)
         self.sync_bytes = Counter(f"{p}sync_bytes", "Weight bytes published", registry=r)
+        self.file_version = Gauge(
+            f"{p}weights_file_version", "Newest version written to a weights file", registry=r
+        )
+        self.files_skipped = Counter(
+            f"{p}weights_files_skipped",
+            "Versions without a file (the previous one was still being written)",
+            registry=r,
+        )
+        self.file_errors = Counter(
+            f"{p}weights_file_errors", "Weights files that could not be written", registry=r
+        )
         self.update = UpdateMetrics(r)
 
 
@@ -167,6 +178,7 @@ class LearnerService:
         self.sender = build_sender(cfg, self.client if self.rank == 0 else None, self.rank,
                                    self.device, compute_dtype(cfg.model))  # fmt: skip
         self.broadcast_to = 0
+        self._files_counted = (0, 0)
         self.saved_step = -1
         self.control = RunControl(self.client, cfg.buffer.key_prefix, cfg.name)
         self.seen = {"checkpoint": 0, "export": 0}
@@ -325,8 +337,21 @@ class LearnerService:
             self.metrics.sync_bytes.inc(done.nbytes)
             self.broadcast_to = done.receivers
             self.ring.set_policy_version(version)
+            self._file_metrics()
         self.published = True
         self.metrics.sync_s.inc(time.perf_counter() - t0)
+
+    def _file_metrics(self) -> None:
+        """The background file writer's counts, as of now (rank 0)."""
+        files, m = self.sender.files, self.metrics
+        if files is None:
+            return
+        skipped, errors = files.skipped, files.errors
+        m.files_skipped.inc(skipped - self._files_counted[0])
+        m.file_errors.inc(errors - self._files_counted[1])
+        self._files_counted = (skipped, errors)
+        if files.last_written is not None:
+            m.file_version.set(files.last_written)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -579,7 +604,7 @@ def run_rank(
     # Rank 0 may spend up to ~4 sync timeouts in the broadcast hub (a dead worker: the failed
     # collective, then two timeouts of acknowledgements, then the new group) while the other
     # ranks wait in the next collective. (The hub's groups are its own: a dead worker never
-    # stalls this group's collectives, reval/broadcast.py.)
+    # stalls this group's collectives, reval/weights/collective.py.)
     init_group(cfg.model.device, cfg.sync.backend, 4 * cfg.sync.timeout_s + 60)
     lease = None
     try:

@@ -247,6 +247,8 @@ class FileWriter:
         self._version = -1
         self._event: Any = None
         self.written = 0
+        self.last_written: int | None = None
+        """The version of the last file written."""
         self.skipped = 0
         self.errors = 0
         self.last_error: str | None = None
@@ -305,6 +307,7 @@ class FileWriter:
             self.store._atomic(path, write)
             self.store.announce_file(version, path, self.lineage)
             self.written += 1
+            self.last_written = version
         except WeightWriteError as err:
             self.errors += 1
             self.last_error = str(err)

@@ -49,7 +49,7 @@ def published_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
     """What a version holds: the parameters (tied ones once, by their first name) and the
     persistent buffers, in a fixed order (every rank iterates them alike)."""
     persistent = set(model.state_dict().keys())
-    out = list(model.named_parameters())
+    out: list[tuple[str, Tensor]] = list(model.named_parameters())
     out += [(n, b) for n, b in model.named_buffers() if n in persistent]
     return out
 
@@ -205,7 +205,7 @@ def bind_address(announced: str) -> str:
     at (an IP address as is, a name resolved), so it is reachable where the workers look for it
     and nowhere else; every interface only for a name that does not resolve (logged)."""
     try:
-        return socket.getaddrinfo(announced, None)[0][4][0]
+        return str(socket.getaddrinfo(announced, None)[0][4][0])
     except OSError:
         log.warning("broadcast host %r does not resolve: the hub listens on every interface",
                     announced)  # fmt: skip

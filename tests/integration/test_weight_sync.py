@@ -30,7 +30,7 @@ from reval.weights.buckets import plan_buckets
 from reval.weights.collective import IN_FLIGHT
 from reval.weights.files import WeightStore, safetensors_header
 from reval.weights.receiver import WeightSubscriber, build_subscriber
-from reval.weights.sender import WeightSender, build_sender, published_tensors
+from reval.weights.sender import build_sender, published_tensors
 from rollout.engines import HFEngine, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
