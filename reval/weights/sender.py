@@ -45,10 +45,14 @@ class SendResult:
     """A file of this version is being written (False: the previous one still was)."""
 
 
-def published_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
+def published_tensors(
+    model: nn.Module, persistent: set[str] | None = None
+) -> list[tuple[str, Tensor]]:
     """What a version holds: the parameters (tied ones once, by their first name) and the
-    persistent buffers, in a fixed order (every rank iterates them alike)."""
-    persistent = set(model.state_dict().keys())
+    persistent buffers (``persistent``: their names, if known), in a fixed order (every rank
+    iterates them alike)."""
+    if persistent is None:
+        persistent = set(model.state_dict().keys())
     out: list[tuple[str, Tensor]] = list(model.named_parameters())
     out += [(n, b) for n, b in model.named_buffers() if n in persistent]
     return out
@@ -90,6 +94,7 @@ class WeightSender:
         self.sent = 0
         self._plan: list[PlannedBucket] | None = None
         self._names: list[str] = []
+        self._persistent: set[str] | None = None
 
     @property
     def address(self) -> str | None:
@@ -117,7 +122,9 @@ class WeightSender:
     def send(self, model: nn.Module, version: int) -> SendResult:
         """Publish the model's weights as ``version`` (every rank calls it; rank 0's result
         counts)."""
-        tensors = published_tensors(model)
+        if self._persistent is None:
+            self._persistent = set(model.state_dict().keys())
+        tensors = published_tensors(model, self._persistent)
         plan = self._layout(tensors, version)
         nbytes = sum(m.nbytes for b in plan for m in b.metas)
         lead = self.rank == 0
