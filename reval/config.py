@@ -216,7 +216,8 @@ class BufferConfig(_Section):
     redis_url: str = "redis://127.0.0.1:6379/0"
     """``redis``: where the replay service lives."""
     key_prefix: str = "reval:"
-    """``redis``: every key of a run is ``{key_prefix}{run}:...`` (runs are isolated)."""
+    """``redis``: every key of a run is ``{key_prefix}{{run}}:...``, the run's name in braces
+    (a Redis Cluster hash tag: one slot per run); runs are isolated (docs/architecture.md)."""
     samples_per_insert: float | None = Field(None, gt=0)
     """Rate limiter (like Reverb's SampleToInsertRatio): trajectories handed out may not exceed
     this times trajectories inserted (plus ``rate_slack``); sampling waits when the learner is

@@ -6,8 +6,9 @@ Keys of run R (the run's hash tag, so one Redis Cluster slot):
 
 - ``{prefix}{R}:control`` (hash): the desired ``phase`` (``running``, ``paused``, ``stopping``),
   the desired rollout ``workers`` (``reval launch`` scales to it), the sequence numbers of
-  ``checkpoint`` and ``export`` requests, and one field ``hp:<name>`` (a JSON number) per live
-  hyperparameter requested (``LiveHParams``).
+  ``checkpoint`` and ``export`` requests, one field ``hp:<name>`` (a JSON number) per live
+  hyperparameter requested (``LiveHParams``), and what ``reval launch``'s driver adds about
+  itself (``driver_seen``, ``ray_address``, ``ray_auth_mode``).
 - ``{prefix}{R}:status`` (hash): what the learner reports after each update (phase, step,
   policy version, the last metrics, the checkpoints, the hyperparameters in force).
 - ``{prefix}{R}:events`` (stream): every request and every change applied, with the learner's

@@ -137,7 +137,7 @@ class LearnerRank:
 
 
 class RolloutActor:
-    """One rollout worker (``services/rollout.py``) in a Ray actor."""
+    """One rollout worker (``rollout/worker.py``) in a Ray actor."""
 
     def __init__(self, worker_id: str) -> None:
         _actor_logging()
