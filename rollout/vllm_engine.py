@@ -54,6 +54,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -393,6 +394,8 @@ class VLLMReceiver:
 
     def __init__(self, engine: VLLMEngine) -> None:
         self.engine = engine
+        self.timeout_s = 60.0
+        """The hub's timeout (from ``join``): how long workers may hold different versions."""
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         return list(self.engine.llm.collective_rpc(method, args=args))
@@ -404,23 +407,36 @@ class VLLMReceiver:
         return True
 
     def join(self, address: str, worker_id: str, timeout_s: float) -> bool:
+        self.timeout_s = float(timeout_s)
         if not all(self._rpc("reval_join", address, worker_id, float(timeout_s))):
             self.leave()
             return False
         return True
 
     def take(self, newer_than: int | None) -> int | None:
-        versions = {v for v, _ in self._rpc("reval_state")}
-        version = versions.pop() if len(versions) == 1 else None
-        if version is None:
-            return None
-        loaded = self._rpc("reval_take", version, -1 if newer_than is None else newer_than)
-        if not all(loaded):
-            if any(loaded):
-                raise RuntimeError(f"only some vLLM workers loaded broadcast v{version}")
-            return None
-        self.engine._weights_changed(version)
-        return version
+        """The version every worker holds, loaded by all. A worker that received the next
+        version between the state and the take declines (the others loaded): then the workers
+        wait until they all hold one version again and load it, so they never keep different
+        weights (at most the hub's timeout)."""
+        partial, deadline = False, time.monotonic() + self.timeout_s
+        while True:
+            versions = {v for v, _ in self._rpc("reval_state")}
+            version = versions.pop() if len(versions) == 1 else None
+            if version is None:
+                if not partial:
+                    return None
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the vLLM workers hold different weights")
+                time.sleep(0.01)
+                continue
+            floor = -1 if partial or newer_than is None else newer_than
+            loaded = self._rpc("reval_take", version, floor)
+            if all(loaded):
+                self.engine._weights_changed(version)
+                return version
+            if not any(loaded) and not partial:
+                return None
+            partial = True
 
     def received(self) -> int:
         return min(n for _, n in self._rpc("reval_state"))
