@@ -61,9 +61,21 @@ class RecordLimits:
     """Token ids must be below this: the rows of the learner's embedding (None: unchecked)."""
     reward_bound: float | None = None
     """``|reward|`` and ``|reward_raw|`` may not exceed this (None: unchecked)."""
+    max_tokens: int | None = None
+    """Prompt + response tokens may not exceed this: the model's context length (its
+    ``max_position_embeddings``; a longer record crashed the update on allocation, None:
+    unchecked)."""
 
     def check(self, t: Trajectory) -> None:
         """Raise RecordError naming the first limit the (otherwise valid) record breaks."""
+        most = self.max_tokens
+        if most is not None:
+            n = int(t.prompt_ids.size) + int(t.response_ids.size)
+            if n > most:
+                raise RecordError(
+                    f"trajectory of {n} tokens ({t.prompt_ids.size} prompt + "
+                    f"{t.response_ids.size} response) > the model's context length {most}"
+                )
         vocab = self.vocab_size
         if vocab is not None:
             top = max(int(t.prompt_ids.max()), int(t.response_ids.max()))
@@ -76,9 +88,17 @@ class RecordLimits:
                     raise RecordError(f"{name} {getattr(t, name)!r} outside [-{bound}, {bound}]")
 
     def batch_ok(
-        self, prompt_ids: IntArray, response_ids: IntArray, rewards: Sequence[Sequence[float]]
+        self,
+        prompt_ids: IntArray,
+        response_ids: IntArray,
+        rewards: Sequence[Sequence[float]],
+        lengths: npt.NDArray[np.int64] | None = None,
     ) -> bool:
-        """Whether a whole batch (its joined token arrays, its reward columns) is within."""
+        """Whether a whole batch (its joined token arrays, its reward columns, its records'
+        prompt + response lengths) is within."""
+        most = self.max_tokens
+        if most is not None and lengths is not None and lengths.size and lengths.max() > most:
+            return False
         vocab = self.vocab_size
         if vocab is not None and (
             (prompt_ids.size and int(prompt_ids.max()) >= vocab)
@@ -548,7 +568,7 @@ def _build_checked(
     if pa.min() < 0 or ra.min() < 0 or not (la.min() > -np.inf and la.max() <= 1e-4):
         return None  # (NaN fails both comparisons)
     if limits is not NO_LIMITS and not limits.batch_ok(
-        pa, ra, [cols[_COLUMN["reward"]], cols[_COLUMN["reward_raw"]]]
+        pa, ra, [cols[_COLUMN["reward"]], cols[_COLUMN["reward_raw"]]], n_p + n_r
     ):
         return None
     # One list of offsets per array field; the log-probs share the response's (equal sizes).

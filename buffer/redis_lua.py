@@ -38,6 +38,8 @@ _PRELUDE = """
 local meta, dig, tree, ver, use, chunks, rec =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local cap = tonumber(ARGV[1])
+local COUNTERS = {'capacity', 'evicted', 'evicted_unused', 'sampled', 'taken', 'rejected',
+                  'dropped', 'version', 'leaves', 'maxp'}
 local function ensure()
   local held = redis.call('HGET', meta, 'capacity')
   if not held then
@@ -55,13 +57,26 @@ local function ensure()
   end
   -- The window's bookkeeping, checked before any script trusts it (a hand-written meta.head
   -- would otherwise fail deep inside a script, or leave tail > head waiting forever).
-  local ht = redis.call('HMGET', meta, 'head', 'tail')
+  local ht = redis.call('HMGET', meta, 'head', 'tail', unpack(COUNTERS))
   local h, t = tonumber(ht[1]), tonumber(ht[2])
   if not h or not t or h ~= math.floor(h) or t ~= math.floor(t) or t < 0 or t > h
       or h - t > cap then
     return redis.error_reply('CORRUPT meta head=' .. tostring(ht[1]) .. ' tail=' ..
       tostring(ht[2]) .. ' (need integers with 0 <= tail <= head <= tail + capacity ' ..
       cap .. ')')
+  end
+  -- Every other field a script or the client reads as a number (absent: never counted yet).
+  for i, name in ipairs(COUNTERS) do
+    local raw = ht[i + 2]
+    if raw then
+      local x = tonumber(raw)
+      local whole = name ~= 'maxp'
+      if not x or x ~= x or x == math.huge or x == -math.huge
+          or (whole and x ~= math.floor(x)) then
+        return redis.error_reply('CORRUPT meta ' .. name .. '=' .. tostring(raw) .. ' (need ' ..
+          (whole and 'an integer' or 'a finite number') .. ')')
+      end
+    end
   end
   return nil
 end

@@ -381,12 +381,26 @@ class RedisRing:
             return out
 
     def _window(self, head_b: Any, tail_b: Any) -> tuple[int, int]:
-        """(head, tail) as read from ``meta``; ValueError (-> RingCorrupt) unless they make a
-        window: integers, 0 <= tail <= head <= tail + capacity (what the scripts check too)."""
-        head, tail = int(head_b or 0), int(tail_b or 0)
+        """(head, tail) as read from ``meta``; RingCorrupt unless they make a window:
+        integers, 0 <= tail <= head <= tail + capacity (what the scripts check too)."""
+        head, tail = self._meta_int("head", head_b), self._meta_int("tail", tail_b)
         if not 0 <= tail <= head <= tail + self._capacity:
-            raise ValueError(f"meta head={head} tail={tail}")
+            raise self._corrupt(f"meta head={head} tail={tail}")
         return head, tail
+
+    def _meta_int(self, name: str, raw: Any) -> int:
+        """A field of the ring's bookkeeping as read back (bytes; None: never set, 0), as an
+        int; RingCorrupt naming the field unless it is one. Every integer the client reads from
+        ``meta`` goes through here (the scripts check theirs in ``ensure``)."""
+        if raw is None:
+            return 0
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+            raise self._corrupt(f"meta {name}={text} (need an integer)") from None
 
     def _corrupt(self, what: str) -> RingCorrupt:
         return RingCorrupt(
@@ -429,10 +443,11 @@ class RedisRing:
         return self._capacity
 
     def __len__(self) -> int:
-        head, tail = self._retry(
+        head_b, tail_b = self._retry(
             lambda: self.client.hmget(self.keys.meta, "head", "tail"), self.retry_s
         )
-        return int(head or 0) - int(tail or 0)
+        head, tail = self._window(head_b, tail_b)
+        return head - tail
 
     # -- producers ------------------------------------------------------------------------------
 
@@ -822,7 +837,7 @@ class RedisRing:
         pipe.get(k.use)
         (head_b, tail_b, ver_b), fresh, use_raw = pipe.execute()
         head, tail = self._window(head_b, tail_b)
-        version = int(ver_b or 0)
+        version = self._meta_int("version", ver_b)
         with self._index_lock:
             if self._index.ends and self._index.ends[-1] > head:  # reset by another client
                 self._index = _ChunkIndex()
@@ -885,7 +900,7 @@ class RedisRing:
                 resp.pack("HINCRBY", k.meta, "taken", len(picked)),
             ]
         )
-        tail_now = int(res[0] or 0)
+        tail_now = self._meta_int("tail", res[0])
         gone = [p for p in picked if p < tail_now]
         if gone:  # evicted meanwhile: undo every count (also the newer records' in their slots)
             self._transact(
@@ -956,7 +971,7 @@ class RedisRing:
         blobs += [None] * len(missing)
         refs += [None] * len(missing)
         uses += [0] * len(missing)
-        return order, int(res[0] or 0), blobs, refs, uses
+        return order, self._meta_int("tail", res[0]), blobs, refs, uses
 
     def quarantine(self, traj_ids: Sequence[str], reason: str) -> int:
         """Quarantine held records by id (ones this client inserted, sampled or listed): a batch
@@ -1079,7 +1094,8 @@ class RedisRing:
             "version",
         )
         vals = self._retry(lambda: self.client.hmget(self.keys.meta, fields), self.retry_s)
-        v = {k: int(x or 0) for k, x in zip(fields, vals, strict=True)}
+        v = {k: self._meta_int(k, x) for k, x in zip(fields, vals, strict=True)}
+        self._window(vals[1], vals[2])  # (a window that does not hold is as corrupt)
         return BufferStats(
             size=v["head"] - v["tail"],
             capacity=v["capacity"] or self._capacity,

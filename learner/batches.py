@@ -15,12 +15,14 @@ among the learner ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from buffer.base import ReplayBuffer, SampledBatch
-from buffer.records import Trajectory
+from buffer.records import RecordLimits, Trajectory
 from reval.config import RunConfig
 
 
@@ -65,6 +67,15 @@ class BatchSource:
             batch = self.buffer.sample(self.batch_size, timeout)
         self.drawn += 1
         return batch
+
+
+def context_limits(limits: RecordLimits, model_config: Any) -> RecordLimits:
+    """``limits`` with the model's context length (its config's ``max_position_embeddings``) as
+    the most tokens a record may hold: a longer one (valid on the wire) crashed the update on
+    allocation, on every restart; beyond it the buffer quarantines it on read, before any
+    update. Unchanged for a config without one."""
+    n = getattr(model_config, "max_position_embeddings", None)
+    return limits if not isinstance(n, int) or n < 1 else dataclasses.replace(limits, max_tokens=n)
 
 
 def split_shares(

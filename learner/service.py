@@ -47,12 +47,12 @@ from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
 from buffer.records import RecordLimits, Trajectory
 from buffer.redis_ring import RedisRing, RingCorrupt
-from learner.batches import BatchSource, split_shares
+from learner.batches import BatchSource, context_limits, split_shares
 from learner.checkpoint import PARTIAL, CheckpointWriteError, load_checkpoint, save_checkpoint
 from learner.export import export_hf
 from learner.parallel import build_models, init_group, rank_device, reduce_scalar
 from learner.step import UpdateMetrics, UpdateStep
-from learner.trainer import Learner
+from learner.trainer import Learner, UpdateMemoryError
 from reval import registry
 from reval.config import RunConfig, dump_config, public_dump
 from reval.control import LeaseHeld, RunControl, RunLease, adopt_run
@@ -388,6 +388,8 @@ class LearnerService:
         total = cfg.learner.max_steps or cfg.learner.rounds * cfg.learner.updates_per_round
         if self.rank == 0:
             dump_config(cfg, self.run_dir / "config.json")
+            if isinstance(self.ring, RedisRing):  # longer than the context: quarantined on read
+                self.ring.limits = context_limits(self.ring.limits, self.model.config)
         self.publish()  # the workers wait for these before they generate
         prefetch = None
         if self.rank == 0 and cfg.learner.sample_prefetch:
@@ -439,6 +441,9 @@ class LearnerService:
                     record = self.step(share, weights, batch)
                 except (BufferUnavailable, RingCorrupt, redis.RedisError, ConnectionError):
                     raise  # the replay service's fault, not the batch's
+                except UpdateMemoryError as err:  # (raised by every rank together)
+                    self._quarantine_batch(batch, err, every_rank=True)
+                    continue
                 except Exception as err:  # a batch the checks let through
                     self._quarantine_batch(batch, err)
                     continue
@@ -463,14 +468,17 @@ class LearnerService:
         self.sender.close()
         return self.state
 
-    def _quarantine_batch(self, batch: SampledBatch | None, err: Exception) -> None:
+    def _quarantine_batch(
+        self, batch: SampledBatch | None, err: Exception, every_rank: bool = False
+    ) -> None:
         """An update that raised on a batch: the batch is quarantined whole (counted in the
-        ring's ``rejected``, logged) and training goes on with the next. Not with several ranks
-        (the others are inside the update's collectives: the process group's timeout ends
-        them), nor after ``MAX_FAILED_BATCHES`` in a row (then the fault is the learner's, not
-        the data's: it raises)."""
+        ring's ``rejected``, logged; rank 0 holds the batch) and training goes on with the next.
+        Not with several ranks unless ``every_rank`` raised it together (an update out of
+        memory, ``UpdateMemoryError``; otherwise the others are inside the update's
+        collectives: the process group's timeout ends them), nor after ``MAX_FAILED_BATCHES``
+        in a row (then the fault is the learner's, not the data's: it raises)."""
         self.failed_in_a_row += 1
-        if self.world > 1 or self.failed_in_a_row > MAX_FAILED_BATCHES:
+        if (self.world > 1 and not every_rank) or self.failed_in_a_row > MAX_FAILED_BATCHES:
             raise err
         log.exception("update %d raised on its batch: quarantined", self.step.counts.updates)
         if batch is not None:

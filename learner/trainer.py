@@ -19,6 +19,24 @@ from learner.sequence import collate, policy_stats
 from reval.config import AlgoConfig, LearnerConfig
 
 
+class UpdateMemoryError(RuntimeError):
+    """An update that ran out of memory on its batch, raised by every rank together (they
+    agree before the optimizer step, ``Learner.update``): no rank stepped; the batch is to be
+    quarantined and training goes on with the next."""
+
+
+def is_memory_error(err: BaseException) -> bool:
+    """A failed allocation: ``torch.OutOfMemoryError`` (CUDA, MPS), a MemoryError, or a
+    RuntimeError saying so ("out of memory", the CPU allocator's "can't allocate memory",
+    "failed to allocate")."""
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(
+        s in text for s in ("out of memory", "can't allocate memory", "failed to allocate")
+    )
+
+
 @dataclass
 class UpdateResult:
     metrics: dict[str, float]
@@ -136,6 +154,46 @@ class Learner:
             keep = torch.tensor([t.finish_reason != "length" for t in trajectories]).float()
             if self.algo.name != "grpo":
                 w_all = keep if w_all is None else w_all * keep
+        failed: str | None = None
+        try:
+            totals, loss_total, delta = self._forward_backward(trajectories, w_all, keep)
+        except Exception as err:  # (the traceback's tensors go with ``err`` here)
+            if not is_memory_error(err):
+                raise
+            failed = f"{type(err).__name__}: {err}"
+            totals, loss_total, delta = {}, 0.0, torch.zeros(len(trajectories))
+        # The ranks agree before any of them steps: one that ran out of memory makes every rank
+        # raise (and none step), so all of them go on to the next batch in step.
+        lost = float(failed is not None)
+        if self.reduce is not None:
+            lost = self.reduce(lost, "max")
+        if lost:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise UpdateMemoryError(
+                f"the update ran out of memory on its batch ({failed or 'on another rank'})"
+            )
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.learner_cfg.grad_clip))
+        skipped = not math.isfinite(norm)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            self.step += 1
+        metrics = {"loss": loss_total, "grad_norm": norm, "skipped": float(skipped), **totals}
+        return UpdateResult(metrics=metrics, delta=delta, skipped=skipped)
+
+    def _forward_backward(
+        self,
+        trajectories: Sequence[Trajectory],
+        w_all: torch.Tensor | None,
+        keep: torch.Tensor | None,
+    ) -> tuple[dict[str, float], float, torch.Tensor]:
+        """The reference quantities, then the loss's gradients over the micro-batches: (the
+        loss's terms, the loss, the per-trajectory residuals)."""
         if self.uses_reference:
             self.reference.fill(trajectories, self.device)
         self.optimizer.zero_grad(set_to_none=True)
@@ -207,14 +265,4 @@ class Learner:
             idle = batches[0].to(self.device)
             for _ in range(extra):
                 (policy_stats(self.model, idle, self.compute_dtype).slp.sum() * 0.0).backward()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.learner_cfg.grad_clip))
-        skipped = not math.isfinite(norm)
-        if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-        else:
-            self.optimizer.step()
-            self.step += 1
-        metrics = {"loss": loss_total, "grad_norm": norm, "skipped": float(skipped), **totals}
-        return UpdateResult(metrics=metrics, delta=delta, skipped=skipped)
+        return totals, loss_total, delta
