@@ -65,11 +65,6 @@ RETRYABLE: tuple[type[BaseException], ...] = (
     ConnectionError,
     OSError,
 )
-REPAIR = (
-    "stop the run's learner and workers, then delete the run's buffer keys: redis-cli --scan "
-    "--pattern '{prefix}{{{run}}}:*' | xargs redis-cli del (the trajectories it held are lost; "
-    "checkpoints are not, and the workers refill it)"
-)
 
 
 class RingCorrupt(RuntimeError):
@@ -112,6 +107,16 @@ def run_keys(prefix: str, run: str) -> RunKeys:
         raise ValueError(f"run id must be non-empty without braces, colons or spaces: {run!r}")
     base = f"{prefix}{{{run}}}:"
     return RunKeys._make([*(base + k for k in RunKeys._fields[:6]), base + "r:"])
+
+
+REPAIR = (
+    "stop the run's learner and workers, then delete the ring's keys, and only those (the run's "
+    "control, status, events and weights stay): redis-cli del "
+    + " ".join(f"'{{prefix}}{{{{{{run}}}}}}:{k}'" for k in RunKeys._fields[:6])
+    + '; for k in r stage; do redis-cli --scan --pattern "{prefix}{{{run}}}:$k:*" | xargs -r '
+    "redis-cli del; done (the trajectories it held are lost; checkpoints are not, and the workers "
+    "refill it)"
+)
 
 
 class _ChunkIndex:

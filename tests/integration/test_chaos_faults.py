@@ -69,7 +69,7 @@ def test_corrupt_meta_head_from_stats_is_ring_corrupt_with_the_repair(redis_url,
         with pytest.raises(RingCorrupt, match="head=abc") as err:  # was: ValueError from int()
             call()
         assert "redis-cli --scan --pattern" in str(err.value)
-        assert f"{redis_prefix}{{c}}:*" in str(err.value)
+        assert f"'{redis_prefix}{{c}}:meta'" in str(err.value)
     ring.client.hset(ring.keys.meta, "head", "4")
     # Every other counter of the bookkeeping too, from the client and from the scripts.
     for field in ("sampled", "version", "rejected"):
@@ -80,6 +80,32 @@ def test_corrupt_meta_head_from_stats_is_ring_corrupt_with_the_repair(redis_url,
             assert "redis-cli --scan --pattern" in str(err.value)
         ring.client.hset(ring.keys.meta, field, "0")
     assert ring.stats().size == 4
+    ring.close()
+
+
+def test_the_repair_deletes_the_ring_and_nothing_else_of_the_run(redis_url, redis_prefix):
+    """Following RingCorrupt's repair, as written, empties the ring and keeps the run's other
+    keys (control, status, weights: the repair used to delete every key of the run)."""
+    import re
+    import subprocess
+
+    ring = RedisRing("c", 8, url=redis_url, key_prefix=redis_prefix, seed=1)
+    ring.insert([_good(i) for i in range(4)])
+    others = [f"{redis_prefix}{{c}}:{k}" for k in ("control", "status", "weights")]
+    for key in others:
+        ring.client.hset(key, "x", "1")
+    ring.client.hset(ring.keys.meta, "head", "abc")
+    with pytest.raises(RingCorrupt) as err:
+        ring.stats()
+    command = re.search(r"(redis-cli del .*; done)", str(err.value))
+    assert command is not None, str(err.value)
+    cli = f"redis-cli -u {redis_url}"
+    subprocess.run(["bash", "-c", command.group(1).replace("redis-cli", cli)], check=True)
+    left = sorted(k.decode() for k in ring.client.scan_iter(match=f"{redis_prefix}*"))
+    assert left == sorted(others)
+    fresh = RedisRing("c", 8, url=redis_url, key_prefix=redis_prefix, seed=1)
+    assert fresh.stats().size == 0  # a fresh ring: the workers refill it
+    fresh.close()
     ring.close()
 
 
