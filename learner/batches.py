@@ -107,29 +107,52 @@ def split_shares(
 
 
 def micro_batches(
-    sizes: Sequence[tuple[int, int]], max_count: int, max_tokens: int | None = None
+    sizes: Sequence[tuple[int, int]],
+    max_count: int,
+    max_tokens: int | None = None,
+    packed: bool = False,
 ) -> list[list[int]]:
     """Indices of the micro-batches of a share: ``sizes`` are each trajectory's (prompt,
     response) lengths; a micro-batch holds at most ``max_count`` trajectories and, with
-    ``max_tokens`` (``learner.max_tokens_per_micro_batch``), at most that many tokens as padded
-    (count x (longest prompt + longest response), what ``collate`` allocates). With a budget the
-    trajectories are bucketed by length, longest first, so similar lengths share the padding;
-    without one they keep their order. Every index is in exactly one micro-batch."""
+    ``max_tokens`` (``learner.max_tokens_per_micro_batch``), at most that many tokens as computed.
+    Every index is in exactly one micro-batch; a trajectory longer than the budget is an error.
+
+    - Padded (``collate``): a micro-batch computes count x (longest prompt + longest response)
+      tokens. With a budget the trajectories are bucketed by length, longest first, so similar
+      lengths share the padding; without one they keep their order.
+    - ``packed`` (``pack``): a micro-batch computes the sum of its lengths, nothing else.
+      First-fit decreasing: longest first, each into the first micro-batch with room for it."""
+    if max_tokens is not None:
+        for p, r in sizes:
+            if p + r > max_tokens:
+                raise ValueError(
+                    f"a trajectory of {p}+{r} tokens exceeds learner.max_tokens_per_micro_batch="
+                    f"{max_tokens}: raise the budget to at least the longest prompt + response"
+                )
     if max_tokens is None:
         return [
             list(range(i, min(i + max_count, len(sizes)))) for i in range(0, len(sizes), max_count)
         ]
     order = sorted(range(len(sizes)), key=lambda i: (sizes[i][0] + sizes[i][1], i), reverse=True)
+    if packed:
+        bins: list[list[int]] = []
+        loads: list[int] = []
+        for i in order:
+            n = sizes[i][0] + sizes[i][1]
+            for j, load in enumerate(loads):
+                if len(bins[j]) < max_count and load + n <= max_tokens:
+                    bins[j].append(i)
+                    loads[j] += n
+                    break
+            else:
+                bins.append([i])
+                loads.append(n)
+        return [sorted(b) for b in bins]
     out: list[list[int]] = []
     cur: list[int] = []
     top_p = top_r = 0
     for i in order:
         p, r = sizes[i]
-        if p + r > max_tokens:
-            raise ValueError(
-                f"a trajectory of {p}+{r} tokens exceeds learner.max_tokens_per_micro_batch="
-                f"{max_tokens}: raise the budget to at least the longest prompt + response"
-            )
         tp, tr = max(top_p, p), max(top_r, r)
         if cur and (len(cur) >= max_count or (len(cur) + 1) * (tp + tr) > max_tokens):
             out.append(cur)

@@ -15,7 +15,7 @@ from torch import nn
 
 from buffer.records import Trajectory
 from learner.batches import micro_batches
-from learner.sequence import collate, policy_stats
+from learner.sequence import make_batch, policy_stats
 
 
 class ReferencePolicy:
@@ -29,12 +29,14 @@ class ReferencePolicy:
         sync_chunks: Callable[[int], int] | None = None,
         max_tokens: int | None = None,
         dtype: torch.dtype = torch.float32,
+        packed: bool = False,
     ) -> None:
         """``model``: a ready copy of the policy (the learner service passes an FSDP-sharded
         one); by default a deep copy. ``sync_chunks``: under FSDP every rank must run the same
         number of forward passes: it maps this rank's count of micro-batches to the largest over
         the ranks, and ranks with fewer run repeats whose results they drop. ``max_tokens`` and
-        ``dtype``: the learner's token budget per micro-batch and compute dtype."""
+        ``dtype``: the learner's token budget per micro-batch and compute dtype; ``packed``: the
+        learner's micro-batch layout (``learner.packing``)."""
         self.sync_chunks = sync_chunks
         self.model = model if model is not None else copy.deepcopy(policy)
         self.model.eval()
@@ -44,6 +46,7 @@ class ReferencePolicy:
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens
         self.dtype = dtype
+        self.packed = packed
         self.version = 0
         self.computed = 0  # trajectories whose reference quantities were (re)computed
 
@@ -72,16 +75,18 @@ class ReferencePolicy:
             [(t.prompt_ids.size, t.response_ids.size) for t in stale],
             self.micro_batch_size,
             self.max_tokens,
+            self.packed,
         )
         if self.sync_chunks is not None and trajectories:
             extra = self.sync_chunks(len(parts)) - len(parts)
             if extra > 0:  # keep the FSDP collectives in step with the other ranks
-                batch = collate(list(trajectories[:1]), self.pad_id, self.eos_id).to(device)
+                batch = make_batch(trajectories[:1], self.pad_id, self.eos_id, self.packed)
+                batch = batch.to(device)
                 for _ in range(extra):
                     policy_stats(self.model, batch, self.dtype)
         for part in parts:
             chunk = [stale[i] for i in part]
-            batch = collate(chunk, self.pad_id, self.eos_id).to(device)
+            batch = make_batch(chunk, self.pad_id, self.eos_id, self.packed).to(device)
             stats = policy_stats(self.model, batch, self.dtype)
             for t, slp, v1 in zip(chunk, stats.slp.tolist(), stats.v1.tolist(), strict=True):
                 t.ref_logprob_sum = slp

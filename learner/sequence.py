@@ -1,8 +1,16 @@
 """From trajectories and a causal LM to the loss inputs (ALGORITHM.md §1).
 
-Layout (verl's): ``input_ids = cat(prompt [B,P] left-padded, response [B,T] right-padded)``,
-``z = logits[:, -T-1:-1]`` so ``z[:, t]`` predicts ``y[:, t]`` and ``z[:, 0]`` is Q(s1, ·) at the
-last prompt token for every row. Everything after the model runs in fp32.
+Padded layout (verl's, ``collate``): ``input_ids = cat(prompt [B,P] left-padded, response [B,T]
+right-padded)``, ``z = logits[:, -T-1:-1]`` so ``z[:, t]`` predicts ``y[:, t]`` and ``z[:, 0]`` is
+Q(s1, ·) at the last prompt token for every row.
+
+Packed layout (``pack``): the B trajectories (prompt then response) concatenated into one row
+with no padding, ``position_ids`` restarting at 0 for each and no attention mask, so transformers
+keeps attention inside each sequence (``masking_utils.find_packed_sequence_indices``: sdpa, eager
+and flex build a document mask from the positions; flash attention runs its varlen kernels). Only
+the hidden states that predict a response token (and V(s1)'s) reach the LM head, and their
+log-probs land in the same [B, T] layout as the padded path's, so the losses cannot tell them
+apart. Everything after the model runs in fp32.
 """
 
 from __future__ import annotations
@@ -22,22 +30,32 @@ from buffer.records import Trajectory
 
 @dataclass
 class Batch:
-    """Padded tensors of B trajectories."""
+    """The tensors of B trajectories, padded (``collate``) or packed (``pack``). The [B, T]
+    fields (responses, mask, behaviour log-probs) have the same layout either way."""
 
-    input_ids: Tensor  # [B, P+T] left-padded prompts then right-padded responses
-    attention_mask: Tensor  # [B, P+T] 1 on real tokens
-    position_ids: Tensor  # [B, P+T] 0 at the first real prompt token
+    input_ids: Tensor  # padded: [B, P+T] prompts left-, responses right-padded; packed: [1, L]
+    attention_mask: Tensor | None  # padded: [B, P+T] 1 on real tokens; packed: None
+    position_ids: Tensor  # padded: [B, P+T] 0 at the first real prompt token; packed: [1, L]
     responses: Tensor  # [B, T] response ids (pad after the end)
     mask: Tensor  # [B, T] 1 up to and including the first EOS, 0 after
     rollout_logp: Tensor  # [B, T] behaviour log-probs (0 on padding)
     reward: Tensor  # [B] transformed reward
+    keep: Tensor | None = None
+    """Packed: [N] the positions of the row whose hidden states reach the LM head (each
+    sequence's last prompt token and all but its last response token)."""
+    dest: Tensor | None = None
+    """Packed: [N] where each kept position's log-prob lands in the [B, T] layout (b * T + t)."""
 
     @property
     def response_len(self) -> int:
         return int(self.responses.shape[1])
 
+    @property
+    def packed(self) -> bool:
+        return self.keep is not None
+
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(t.to(device) for t in self.__dict__.values()))
+        return Batch(*(None if t is None else t.to(device) for t in self.__dict__.values()))
 
 
 @dataclass
@@ -91,9 +109,69 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Bat
     )
 
 
+def pack(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
+    """B trajectories as one packed row (prompt then response, each after the other, no
+    padding), ``position_ids`` from 0 in each, no attention mask; the [B, T] fields are
+    ``collate``'s. A sequence with an empty response still keeps its last prompt token (V(s1))."""
+    padded = collate(trajectories, pad_id, eos_id)
+    tlen = padded.response_len
+    ids, pos, keep, dest = [], [], [], []
+    start = 0
+    for b, t in enumerate(trajectories):
+        p, r = t.prompt_ids.size, t.response_ids.size
+        if p < 1:
+            raise ValueError("a trajectory needs at least one prompt token")
+        ids += [t.prompt_ids, t.response_ids]
+        pos.append(np.arange(p + r))
+        k = max(r, 1) if tlen else 0
+        keep.append(start + p - 1 + np.arange(k))
+        dest.append(b * tlen + np.arange(k))
+        start += p + r
+    return Batch(
+        input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
+        attention_mask=None,
+        position_ids=torch.from_numpy(np.concatenate(pos).astype(np.int64))[None],
+        responses=padded.responses,
+        mask=padded.mask,
+        rollout_logp=padded.rollout_logp,
+        reward=padded.reward,
+        keep=torch.from_numpy(np.concatenate(keep).astype(np.int64)),
+        dest=torch.from_numpy(np.concatenate(dest).astype(np.int64)),
+    )
+
+
+def make_batch(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int, packed: bool) -> Batch:
+    """``pack`` or ``collate``."""
+    return (pack if packed else collate)(trajectories, pad_id, eos_id)
+
+
+PACKED_ATTENTION = frozenset(
+    {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
+     "flash_attention_4"}
+)  # fmt: skip
+"""Attention implementations for which transformers keeps a packed row's sequences apart from
+``position_ids`` alone (``masking_utils``: a document mask for sdpa, eager and flex; the varlen
+kernels for flash attention). Any other (a custom or paged kernel) would see one long sequence."""
+
+
+def resolve_packing(setting: bool | str, model: nn.Module) -> bool:
+    """``learner.packing``: true or false as set; ``auto`` packs when the model's attention
+    implementation (``config._attn_implementation``) is one of ``PACKED_ATTENTION``."""
+    if isinstance(setting, bool):
+        return setting
+    if setting != "auto":
+        raise ValueError(f"learner.packing must be auto, true or false, not {setting!r}")
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl in PACKED_ATTENTION
+
+
 LOGPROB_CHUNK = 256
 """Response positions whose vocabulary logits exist at once (``policy_stats``): with Qwen's 152k
 vocabulary and 8 sequences a chunk is 8 x 256 x 152k fp32 = 1.2 GB, whatever the length."""
+
+PACKED_LOGPROB_CHUNK = 8 * LOGPROB_CHUNK
+"""The same for a packed row (one row of positions): as many logits at once as a padded chunk of
+8 sequences."""
 
 
 def _logp_lse(z: Tensor, y: Tensor) -> Tensor:
@@ -154,14 +232,27 @@ def policy_stats(
     """Run the model on a batch and return its SequenceStats (grad flows if enabled), in the
     compute ``dtype``. Only the last T+1 positions reach the LM head (``logits_to_keep``), and
     the head computes log-probs and V(s1) chunk by chunk (``chunked_logp_lse``) inside the
-    model's forward (so FSDP's root holds the head's gathered weight), never [B, T, V] at once."""
+    model's forward (so FSDP's root holds the head's gathered weight), never [B, T, V] at once.
+
+    A packed batch keeps only ``batch.keep``'s positions (``logits_to_keep`` as indices: the
+    hidden states are gathered before the head) and scatters their log-probs into [B, T]."""
     t = batch.response_len
     head = model.get_output_embeddings()  # type: ignore[operator]
-    y = batch.responses
+    if batch.packed:
+        assert batch.keep is not None and batch.dest is not None
+        y = batch.responses.reshape(-1)[batch.dest][None]  # [1, N]
 
-    def forward(hidden: Tensor) -> Tensor:  # [B, T+1, H] -> [B, T, 2]
-        return chunked_logp_lse(hidden[:, :-1], head.weight, head.bias, y)
+        def forward(hidden: Tensor) -> Tensor:  # [1, N, H] -> [1, N, 2]
+            return chunked_logp_lse(hidden, head.weight, head.bias, y, PACKED_LOGPROB_CHUNK)
 
+        keep: int | Tensor = batch.keep
+    else:
+        y = batch.responses
+
+        def forward(hidden: Tensor) -> Tensor:  # [B, T+1, H] -> [B, T, 2]
+            return chunked_logp_lse(hidden[:, :-1], head.weight, head.bias, y)
+
+        keep = t + 1
     head.forward = forward  # (this call only: an instance attribute, removed below)
     try:
         with compute_context(batch.input_ids.device, dtype):
@@ -169,9 +260,14 @@ def policy_stats(
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids,
-                logits_to_keep=t + 1,
+                logits_to_keep=keep,
                 use_cache=False,
             )
     finally:
         del head.forward
-    return _stats(out.logits.float(), batch.mask)
+    logp_lse = out.logits.float()
+    if batch.packed:
+        rows = batch.responses.shape[0]
+        flat = logp_lse[0].new_zeros(rows * t, 2).index_copy(0, batch.dest, logp_lse[0])
+        logp_lse = flat.view(rows, t, 2)
+    return _stats(logp_lse, batch.mask)

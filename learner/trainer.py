@@ -15,7 +15,7 @@ from buffer.records import Trajectory
 from learner.batches import micro_batches
 from learner.losses import LossOutput, grpo_advantages, grpo_loss, value_loss
 from learner.reference import ReferencePolicy
-from learner.sequence import collate, policy_stats
+from learner.sequence import make_batch, policy_stats, resolve_packing
 from reval.config import AlgoConfig, LearnerConfig
 
 
@@ -66,6 +66,8 @@ class Learner:
     compute_dtype: torch.dtype = torch.float32
     """``model.dtype``: the forward and backward run in it (``compute_context``); the
     parameters and AdamW's state stay in their own dtype (fp32 masters)."""
+    packed: bool = field(init=False)
+    """Whether micro-batches are packed (``learner.packing`` resolved against the model)."""
     reference: ReferencePolicy = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
     old_logp: dict[str, np.ndarray] = field(init=False, default_factory=dict)
@@ -74,6 +76,7 @@ class Learner:
 
     def __post_init__(self) -> None:
         self.model.train()
+        self.packed = resolve_packing(self.learner_cfg.packing, self.model)
         sync = None
         if self.reduce is not None:
             reduce = self.reduce
@@ -90,6 +93,7 @@ class Learner:
             sync_chunks=sync,
             max_tokens=self.learner_cfg.max_tokens_per_micro_batch,
             dtype=self.compute_dtype,
+            packed=self.packed,
         )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -119,10 +123,11 @@ class Learner:
             [(t.prompt_ids.size, t.response_ids.size) for t in trajectories],
             self.learner_cfg.micro_batch_size,
             self.learner_cfg.max_tokens_per_micro_batch,
+            self.packed,
         )
         for part in parts:
             chunk = [trajectories[i] for i in part]
-            batch = collate(chunk, self.pad_id, self.eos_id).to(self.device)
+            batch = make_batch(chunk, self.pad_id, self.eos_id, self.packed).to(self.device)
             logp = policy_stats(self.model, batch, self.compute_dtype).logp.float().cpu()
             for i, t in enumerate(chunk):
                 self.old_logp[t.traj_id] = logp[i, : t.response_ids.size].numpy().copy()
@@ -202,9 +207,10 @@ class Learner:
             [(t.prompt_ids.size, t.response_ids.size) for t in trajectories],
             self.learner_cfg.micro_batch_size,
             self.learner_cfg.max_tokens_per_micro_batch,
+            self.packed,
         )
         chunks = [[trajectories[i] for i in part] for part in parts]
-        batches = [collate(c, self.pad_id, self.eos_id) for c in chunks]
+        batches = [make_batch(c, self.pad_id, self.eos_id, self.packed) for c in chunks]
         advantages = None
         denom: float = float(bsz)
         if self.algo.name == "grpo":

@@ -282,11 +282,19 @@ class LearnerConfig(_Section):
     micro_batch_size: int = Field(64, ge=1)
     """Trajectories per forward/backward; gradients accumulate to the full-batch gradient."""
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
-    """Tokens per forward/backward as padded (trajectories x (longest prompt + longest
-    response)), besides ``micro_batch_size``; the trajectories are then bucketed by length. Bounds
-    the activations of long answers (the log-probs never hold [B, T, V] logits at once anyway:
-    ``learner/sequence.py``). ``None``: no token budget. A trajectory longer than it is an
-    error."""
+    """Tokens per forward/backward as computed, besides ``micro_batch_size``: packed (``packing``)
+    the sum of the micro-batch's lengths, the trajectories placed first-fit decreasing; padded,
+    trajectories x (longest prompt + longest response), the trajectories bucketed by length.
+    Bounds the activations of long answers (the log-probs never hold [B, T, V] logits at once
+    anyway: ``learner/sequence.py``). ``None``: no token budget. A trajectory longer than it is
+    an error."""
+    packing: Literal["auto"] | bool = "auto"
+    """Packed micro-batches: each micro-batch's trajectories concatenated into one row with no
+    padding, attention kept inside each sequence by its ``position_ids`` (transformers' packed
+    path: sdpa/eager/flex document masks, flash-attention varlen), the same losses and gradients
+    as padded ones on fewer tokens (``learner/sequence.py`` ``pack``). ``auto``: packed when the
+    model's attention implementation is one transformers packs (``PACKED_ATTENTION``: sdpa,
+    eager, flex, flash), padded otherwise; true or false forces it."""
     lr: float = Field(1e-6, gt=0)
     """AdamW learning rate (the paper: 1e-6)."""
     weight_decay: float = Field(0.0, ge=0)

@@ -1,0 +1,250 @@
+"""Packed micro-batches (learner/sequence.py ``pack``, learner/batches.py ``micro_batches``):
+the same log-probs, V(s1), losses and gradients as the padded layout for every algorithm, with
+the reference quantities; no attention across a sequence boundary; the token budget."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from buffer.records import Trajectory
+from learner.batches import micro_batches
+from learner.sequence import (
+    PACKED_ATTENTION,
+    collate,
+    pack,
+    policy_stats,
+    resolve_packing,
+)
+from learner.trainer import Learner
+from reval.config import AlgoConfig, LearnerConfig, TinyModelConfig
+from reval.policy import build_tiny_model
+
+PAD, EOS, VOCAB = 0, 1, 40
+CPU = torch.device("cpu")
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    return build_tiny_model(TinyModelConfig(), VOCAB, PAD, EOS, seed=seed)
+
+
+def trajs(n: int, seed: int = 0, empty: bool = False) -> list[Trajectory]:
+    """Uneven prompts and responses, some ending in EOS (tokens after it are masked), some
+    truncated; ``empty``: the last has no response at all (V(s1) only)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p = rng.integers(3, VOCAB, int(rng.integers(1, 12)))
+        r = rng.integers(3, VOCAB, int(rng.integers(1, 18)))
+        if i % 3 == 0:
+            r[int(rng.integers(0, r.size))] = EOS
+        if empty and i == n - 1:
+            r = r[:0]
+        out.append(
+            Trajectory(
+                prompt_ids=p,
+                response_ids=r,
+                logprobs=-rng.random(r.size),
+                reward_raw=float(i % 2),
+                reward=float(i % 2) - 0.5,
+                group_id=f"g{i // 4}",
+                finish_reason="length" if i % 5 == 4 else "stop",
+                traj_id=f"t{i}",
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_stats_equal_padded(attn):
+    model = tiny()
+    model.config._attn_implementation = attn
+    ts = trajs(7, seed=1, empty=True)
+    padded, packed = collate(ts, PAD, EOS), pack(ts, PAD, EOS)
+    assert packed.input_ids.shape == (1, sum(t.prompt_ids.size + t.response_ids.size for t in ts))
+    assert packed.attention_mask is None
+    assert packed.responses.shape == padded.responses.shape
+    a, b = policy_stats(model, padded), policy_stats(model, packed)
+    torch.testing.assert_close(b.logp, a.logp, **TOL)
+    torch.testing.assert_close(b.slp, a.slp, **TOL)
+    torch.testing.assert_close(b.v1, a.v1, **TOL)
+    # gradients of a loss touching every output
+    for stats_of in (padded, packed):
+        model.zero_grad()
+        s = policy_stats(model, stats_of)
+        (s.slp.sum() + s.v1.pow(2).sum() + s.logp.pow(2).sum()).backward()
+        if stats_of is padded:
+            g = [p.grad.clone() for p in model.parameters()]
+    for p, q in zip(model.parameters(), g, strict=True):
+        torch.testing.assert_close(p.grad, q, **TOL)
+
+
+def _learner(algo: str, packing: bool, budget: int | None) -> Learner:
+    return Learner(
+        model=tiny(),
+        learner_cfg=LearnerConfig(
+            micro_batch_size=4, max_tokens_per_micro_batch=budget, packing=packing, lr=1e-3
+        ),
+        algo=AlgoConfig(name=algo, beta=0.5, mask_truncated=algo == "grpo"),  # type: ignore[arg-type]
+        pad_id=PAD,
+        eos_id=EOS,
+        device=CPU,
+    )
+
+
+@pytest.mark.parametrize("algo", ["reval", "tbrm", "regression", "grpo"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_losses_gradients_and_reference_packed_equal_padded(algo, weighted):
+    if weighted and algo == "grpo":
+        pytest.skip("importance weights apply to the value losses")
+    ts = trajs(11, seed=2)
+    out = {}
+    for packing, budget in ((False, None), (False, 60), (True, 60), (True, None)):
+        lrn = _learner(algo, packing, budget)
+        assert lrn.packed is packing and lrn.reference.packed is packing
+        with torch.no_grad():  # the policy away from the reference
+            gen = torch.Generator().manual_seed(3)
+            for p in lrn.model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        mine = copy.deepcopy(ts)
+        if algo == "grpo":
+            lrn.remember_old_logp(mine[:5])  # part remembered, part the update's own
+        w = None
+        keep = None
+        if weighted:
+            w = torch.linspace(0.5, 1.5, len(mine))
+        if algo == "grpo":
+            keep = torch.tensor([t.finish_reason != "length" for t in mine]).float()
+        totals, loss, delta = lrn._forward_backward(mine, w, keep)
+        grads = [p.grad.clone() for p in lrn.model.parameters()]
+        ref = [(t.ref_logprob_sum, t.ref_value) for t in mine]
+        out[(packing, budget)] = (totals, loss, delta, grads, ref)
+    base = out[(False, None)]
+    for key, (totals, loss, delta, grads, ref) in out.items():
+        assert loss == pytest.approx(base[1], abs=1e-5), key
+        torch.testing.assert_close(delta, base[2], **TOL)
+        for k, v in base[0].items():
+            assert totals[k] == pytest.approx(v, abs=1e-5), (key, k)
+        for g, h in zip(grads, base[3], strict=True):
+            torch.testing.assert_close(g, h, **TOL)
+        if algo != "grpo":
+            np.testing.assert_allclose(np.array(ref), np.array(base[4]), atol=1e-5)
+            assert any(r != (0.0, 0.0) for r in ref)
+
+
+def test_packed_update_steps_like_padded():
+    ts = trajs(9, seed=4)
+    params = []
+    for packing in (False, True):
+        lrn = _learner("reval", packing, 48)
+        for _ in range(2):
+            lrn.update(copy.deepcopy(ts))
+        params.append([p.detach().clone() for p in lrn.model.parameters()])
+    for a, b in zip(*params, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def _row_stats(model, ts, full_mask: bool = False):
+    b = pack(ts, PAD, EOS)
+    if full_mask:  # one causal sequence over the whole row: attention crosses the boundaries
+        b = dataclasses.replace(b, attention_mask=torch.ones_like(b.input_ids))
+    with torch.no_grad():
+        return policy_stats(model, b)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_no_attention_across_sequences(attn):
+    model = tiny()
+    model.config._attn_implementation = attn
+    ts = trajs(3, seed=5)
+    changed = copy.deepcopy(ts)
+    a = changed[0]  # sequence A, first in the row: change a prompt and a response token
+    a.prompt_ids = a.prompt_ids.copy()
+    a.prompt_ids[-1] = 3 + (a.prompt_ids[-1] - 2) % (VOCAB - 3)
+    a.response_ids = a.response_ids.copy()
+    a.response_ids[0] = 3 + (a.response_ids[0] - 2) % (VOCAB - 3)
+    for full_mask in (False, True):
+        s0, s1 = _row_stats(model, ts, full_mask), _row_stats(model, changed, full_mask)
+        assert not torch.equal(s0.logp[0], s1.logp[0])  # A itself did change
+        later_same = torch.equal(s0.logp[1:], s1.logp[1:]) and torch.equal(s0.v1[1:], s1.v1[1:])
+        # packed: the sequences after A are bit-identical; with the whole row attending, not
+        assert later_same is not full_mask
+
+
+def test_continuous_positions_would_leak():
+    """The boundaries come from the positions restarting: the same row numbered 0..L-1 is one
+    sequence (so the isolation test above would catch a packer that got them wrong)."""
+    model = tiny()
+    ts = trajs(2, seed=6)
+    good = pack(ts, PAD, EOS)
+    bad = dataclasses.replace(good, position_ids=torch.arange(good.input_ids.shape[1])[None])
+    with torch.no_grad():
+        alone = policy_stats(model, collate(ts[1:], PAD, EOS))
+        assert torch.allclose(policy_stats(model, good).slp[1], alone.slp[0], atol=1e-5)
+        assert not torch.allclose(policy_stats(model, bad).slp[1], alone.slp[0], atol=1e-3)
+
+
+def _check_plan(sizes, max_count, budget, packed):
+    parts = micro_batches(sizes, max_count, budget, packed)
+    assert sorted(i for p in parts for i in p) == list(range(len(sizes)))  # each exactly once
+    for p in parts:
+        assert 1 <= len(p) <= max_count
+        if budget is not None:
+            if packed:
+                cost = sum(sizes[i][0] + sizes[i][1] for i in p)
+            else:
+                cost = len(p) * (max(sizes[i][0] for i in p) + max(sizes[i][1] for i in p))
+            assert cost <= budget
+    return parts
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 600), st.integers(0, 3000)), min_size=0, max_size=80),
+    max_count=st.integers(1, 40),
+    slack=st.integers(0, 20_000),
+    packed=st.booleans(),
+    budgeted=st.booleans(),
+)
+def test_budget_never_exceeded_and_every_index_once(sizes, max_count, slack, packed, budgeted):
+    longest = max((p + r for p, r in sizes), default=1)
+    budget = longest + slack if budgeted else None
+    parts = _check_plan(sizes, max_count, budget, packed)
+    if packed and budget is not None and sizes:
+        # first-fit decreasing: at most 11/9 OPT + 1 bins, OPT >= both lower bounds
+        total = sum(p + r for p, r in sizes)
+        opt = max(-(-total // budget), -(-len(sizes) // max_count))
+        assert len(parts) <= 11 * opt // 9 + 1
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_trajectory_longer_than_the_budget_is_an_error(packed):
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        micro_batches([(3, 4), (10, 20), (1, 1)], 8, 29, packed)
+    assert micro_batches([(3, 4), (10, 20), (1, 1)], 8, 30, packed)
+
+
+def test_packing_fills_the_budget():
+    sizes = [(5, 15), (5, 5), (2, 8), (10, 10), (1, 9), (3, 2)]
+    parts = micro_batches(sizes, 8, 30, packed=True)
+    assert [sum(sum(sizes[i]) for i in p) for p in parts] == [30, 30, 15]
+    assert sorted(len(p) for p in micro_batches(sizes, 2, None, packed=True)) == [2, 2, 2]
+
+
+def test_resolve_packing():
+    model = tiny()
+    assert LearnerConfig().packing == "auto"
+    assert resolve_packing("auto", model) is (model.config._attn_implementation in PACKED_ATTENTION)
+    assert resolve_packing("auto", model) is True  # the tiny model runs sdpa on the CPU
+    assert resolve_packing(False, model) is False and resolve_packing(True, model) is True
+    model.config._attn_implementation = "paged|sdpa"  # no packed-sequence mask: padded
+    assert resolve_packing("auto", model) is False
+    with pytest.raises(ValueError):
+        resolve_packing("sometimes", model)
