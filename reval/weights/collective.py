@@ -1,9 +1,9 @@
 """Weights from the learner to an elastic fleet over torch.distributed, in packed buckets
-(``reval/weights.py``): gloo groups on CPU, NCCL groups on GPU, one code path (``backend``).
+(``buckets.py``): gloo groups on CPU, NCCL groups on GPU, one code path (``backend``).
 
-A fixed world cannot take newcomers, so membership is managed outside it (DESIGN.md's field
-notes): the learner hosts a ``TCPStore`` (``wait_for_workers=False``); a worker connects as a
-client at any time and takes a ticket. When the set of members changes, the learner proposes a
+A fixed world cannot take newcomers, so membership is managed outside it: the learner hosts a
+``TCPStore`` (``wait_for_workers=False``); a worker connects as a client at any time and takes a
+ticket. When the set of members changes, the learner proposes a
 new generation ``g`` (the tickets it wants), waits up to two timeouts for each to acknowledge,
 commits the members that did, and everyone builds a small process group over a ``PrefixStore``
 for that generation (learner rank 0, members 1..n). A sync writes the version and the bucket
@@ -22,19 +22,19 @@ workers.
 Workers receive on a background thread (``BroadcastReceiver``) into CPU memory while they
 generate; their main loop takes the newest complete version between batches, as the buckets it
 arrived in (``take_buckets``) or unpacked into views (``take``). A newcomer gets the weights of
-the next sync after it joined (and the file announcement meanwhile). Workers do not use these
-classes directly: ``reval/weight_sync.py`` wraps the hub in the learner's ``WeightPublisher``
-and the receiver in the worker's ``WeightSubscriber``.
+the next sync after it joined (and the announced file meanwhile). Nothing else uses these classes
+directly: the learner's ``sender.WeightSender`` drives the hub (``start``, ``send`` per bucket,
+``finish``) and ``receiver.LocalReceiver`` holds a receiver next to each model.
 
 NCCL (``backend="nccl"``): the groups are ``ProcessGroupNCCL(PrefixStore, rank, size, options)``
 with ``options._timeout``, as ``torch.distributed.new_group`` builds them
-(``distributed_c10d._new_process_group_helper``); buckets are packed on the CPU, copied to the
-device and broadcast from there; receivers receive into device memory, so a GPU engine loads the
-weights without a host copy. A failed generation's group is aborted (``abort()``) before the next
-forms. Unverified here (no GPU): two processes on two GPUs are needed (NCCL cannot join two
-processes on one device). A timed-out NCCL collective raises rather than ending the process
-(``NCCL_ENV``). The hub's groups are its own (its ``TCPStore``), never the learner's FSDP group:
-a dead worker can stall a sync, never the learner ranks' collectives.
+(``distributed_c10d._new_process_group_helper``); the sender packs the buckets on the learner's
+device and they are broadcast from there; receivers receive into device memory, so a GPU engine
+loads the weights without a host copy. A failed generation's group is aborted (``abort()``)
+before the next forms. Unverified here (no GPU): two processes on two GPUs are needed (NCCL
+cannot join two processes on one device). A timed-out NCCL collective raises rather than ending
+the process (``NCCL_ENV``). The hub's groups are its own (its ``TCPStore``), never the learner's
+FSDP group: a dead worker can stall a sync, never the learner ranks' collectives.
 """
 
 from __future__ import annotations
