@@ -15,7 +15,7 @@ from torch import nn
 
 from buffer.records import Trajectory
 from learner.batches import micro_batches
-from learner.sequence import make_batch, policy_stats
+from learner.sequence import make_batch, policy_stats, use_varlen_attention
 
 
 class ReferencePolicy:
@@ -47,6 +47,8 @@ class ReferencePolicy:
         self.max_tokens = max_tokens
         self.dtype = dtype
         self.packed = packed
+        if packed:
+            use_varlen_attention(self.model)
         self.version = 0
         self.computed = 0  # trajectories whose reference quantities were (re)computed
 

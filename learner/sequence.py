@@ -15,6 +15,7 @@ apart. Everything after the model runs in fp32.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,8 @@ class Batch:
     sequence's last prompt token and all but its last response token)."""
     dest: Tensor | None = None
     """Packed: [N] where each kept position's log-prob lands in the [B, T] layout (b * T + t)."""
+    bounds: tuple[int, ...] | None = None
+    """Packed: where each sequence starts in the row, then the row's length (``cu_seqlens``)."""
 
     @property
     def response_len(self) -> int:
@@ -55,7 +58,9 @@ class Batch:
         return self.keep is not None
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(None if t is None else t.to(device) for t in self.__dict__.values()))
+        return Batch(
+            *(t.to(device) if isinstance(t, Tensor) else t for t in self.__dict__.values())
+        )
 
 
 @dataclass
@@ -117,6 +122,7 @@ def pack(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
     tlen = padded.response_len
     ids, pos, keep, dest = [], [], [], []
     start = 0
+    bounds = [0]
     for b, t in enumerate(trajectories):
         p, r = t.prompt_ids.size, t.response_ids.size
         if p < 1:
@@ -127,6 +133,7 @@ def pack(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
         keep.append(start + p - 1 + np.arange(k))
         dest.append(b * tlen + np.arange(k))
         start += p + r
+        bounds.append(start)
     return Batch(
         input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
         attention_mask=None,
@@ -137,6 +144,7 @@ def pack(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
         reward=padded.reward,
         keep=torch.from_numpy(np.concatenate(keep).astype(np.int64)),
         dest=torch.from_numpy(np.concatenate(dest).astype(np.int64)),
+        bounds=tuple(bounds),
     )
 
 
@@ -145,13 +153,81 @@ def make_batch(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int, pac
     return (pack if packed else collate)(trajectories, pad_id, eos_id)
 
 
+VARLEN_SDPA = "reval_varlen_sdpa"
+"""The attention implementation ``use_varlen_attention`` gives an sdpa model: sdpa as before on
+anything but a packed row, and on a packed row causal sdpa on each sequence by itself, so a
+row costs the sum of its sequences' squared lengths, not the whole row's squared (sdpa with
+transformers' document mask computes the whole [L, L] and masks it)."""
+
 PACKED_ATTENTION = frozenset(
     {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3",
-     "flash_attention_4"}
+     "flash_attention_4", VARLEN_SDPA}
 )  # fmt: skip
-"""Attention implementations for which transformers keeps a packed row's sequences apart from
-``position_ids`` alone (``masking_utils``: a document mask for sdpa, eager and flex; the varlen
-kernels for flash attention). Any other (a custom or paged kernel) would see one long sequence."""
+"""Attention implementations for which a packed row's sequences are kept apart from
+``position_ids`` alone (transformers' ``masking_utils``: a document mask for sdpa, eager and
+flex; the varlen kernels for flash attention) or from the row's bounds (``VARLEN_SDPA``). Any
+other (a custom or paged kernel) would see one long sequence."""
+
+
+def _varlen_sdpa(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """``VARLEN_SDPA``: with ``cu_seq_lens_q`` (a packed row's bounds, ``policy_stats``) causal
+    sdpa over each sequence of the row [1, H, L, D] by itself; otherwise transformers' sdpa."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    bounds = cu.tolist()
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+        )
+        for a, b in itertools.pairwise(bounds)
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _varlen_sdpa_mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """sdpa's mask, except none for a row without a padding mask (a packed row's sequences are
+    kept apart by ``_varlen_sdpa``; one unpadded sequence is plain causal): transformers would
+    otherwise build the packed row's whole [L, L] document mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if kwargs.get("attention_mask") is None else sdpa_mask(*args, **kwargs)
+
+
+def use_varlen_attention(model: nn.Module) -> None:
+    """Give an sdpa model ``VARLEN_SDPA`` (registered with transformers on first use); any other
+    implementation is left as it is (flash attention's varlen kernels already take a packed
+    row by its ``position_ids``)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, _varlen_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, _varlen_sdpa_mask)
+    config._attn_implementation = VARLEN_SDPA  # type: ignore[union-attr]
 
 
 def resolve_packing(setting: bool | str, model: nn.Module) -> bool:
@@ -238,6 +314,7 @@ def policy_stats(
     hidden states are gathered before the head) and scatters their log-probs into [B, T]."""
     t = batch.response_len
     head = model.get_output_embeddings()  # type: ignore[operator]
+    varlen: dict[str, Any] = {}
     if batch.packed:
         assert batch.keep is not None and batch.dest is not None
         y = batch.responses.reshape(-1)[batch.dest][None]  # [1, N]
@@ -246,6 +323,12 @@ def policy_stats(
             return chunked_logp_lse(hidden, head.weight, head.bias, y, PACKED_LOGPROB_CHUNK)
 
         keep: int | Tensor = batch.keep
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if impl == VARLEN_SDPA and batch.bounds is not None:
+            cu = torch.tensor(batch.bounds, dtype=torch.int32)
+            mx = int(cu.diff().max())
+            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": mx,
+                      "max_length_k": mx}  # fmt: skip
     else:
         y = batch.responses
 
@@ -262,6 +345,7 @@ def policy_stats(
                 position_ids=batch.position_ids,
                 logits_to_keep=keep,
                 use_cache=False,
+                **varlen,
             )
     finally:
         del head.forward

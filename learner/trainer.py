@@ -15,7 +15,7 @@ from buffer.records import Trajectory
 from learner.batches import micro_batches
 from learner.losses import LossOutput, grpo_advantages, grpo_loss, value_loss
 from learner.reference import ReferencePolicy
-from learner.sequence import make_batch, policy_stats, resolve_packing
+from learner.sequence import make_batch, policy_stats, resolve_packing, use_varlen_attention
 from reval.config import AlgoConfig, LearnerConfig
 
 
@@ -77,6 +77,8 @@ class Learner:
     def __post_init__(self) -> None:
         self.model.train()
         self.packed = resolve_packing(self.learner_cfg.packing, self.model)
+        if self.packed:
+            use_varlen_attention(self.model)
         sync = None
         if self.reduce is not None:
             reduce = self.reduce

@@ -17,10 +17,12 @@ from buffer.records import Trajectory
 from learner.batches import micro_batches
 from learner.sequence import (
     PACKED_ATTENTION,
+    VARLEN_SDPA,
     collate,
     pack,
     policy_stats,
     resolve_packing,
+    use_varlen_attention,
 )
 from learner.trainer import Learner
 from reval.config import AlgoConfig, LearnerConfig, TinyModelConfig
@@ -31,8 +33,17 @@ CPU = torch.device("cpu")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-def tiny(seed: int = 0) -> torch.nn.Module:
-    return build_tiny_model(TinyModelConfig(), VOCAB, PAD, EOS, seed=seed)
+ATTENTION = ["sdpa", "eager", VARLEN_SDPA]
+
+
+def tiny(seed: int = 0, attn: str = "sdpa") -> torch.nn.Module:
+    model = build_tiny_model(TinyModelConfig(), VOCAB, PAD, EOS, seed=seed)
+    if attn == VARLEN_SDPA:
+        use_varlen_attention(model)
+    else:
+        model.config._attn_implementation = attn
+    assert model.config._attn_implementation == attn
+    return model
 
 
 def trajs(n: int, seed: int = 0, empty: bool = False) -> list[Trajectory]:
@@ -62,10 +73,9 @@ def trajs(n: int, seed: int = 0, empty: bool = False) -> list[Trajectory]:
     return out
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_packed_stats_equal_padded(attn):
-    model = tiny()
-    model.config._attn_implementation = attn
+    model = tiny(attn=attn)
     ts = trajs(7, seed=1, empty=True)
     padded, packed = collate(ts, PAD, EOS), pack(ts, PAD, EOS)
     assert packed.input_ids.shape == (1, sum(t.prompt_ids.size + t.response_ids.size for t in ts))
@@ -84,6 +94,8 @@ def test_packed_stats_equal_padded(attn):
             g = [p.grad.clone() for p in model.parameters()]
     for p, q in zip(model.parameters(), g, strict=True):
         torch.testing.assert_close(p.grad, q, **TOL)
+    with torch.no_grad():  # whatever the implementation, padded batches are as with sdpa
+        torch.testing.assert_close(policy_stats(tiny(), padded).logp, a.logp, **TOL)
 
 
 def _learner(algo: str, packing: bool, budget: int | None) -> Learner:
@@ -154,15 +166,14 @@ def test_packed_update_steps_like_padded():
 def _row_stats(model, ts, full_mask: bool = False):
     b = pack(ts, PAD, EOS)
     if full_mask:  # one causal sequence over the whole row: attention crosses the boundaries
-        b = dataclasses.replace(b, attention_mask=torch.ones_like(b.input_ids))
+        b = dataclasses.replace(b, attention_mask=torch.ones_like(b.input_ids), bounds=None)
     with torch.no_grad():
         return policy_stats(model, b)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ATTENTION)
 def test_no_attention_across_sequences(attn):
-    model = tiny()
-    model.config._attn_implementation = attn
+    model = tiny(attn=attn)
     ts = trajs(3, seed=5)
     changed = copy.deepcopy(ts)
     a = changed[0]  # sequence A, first in the row: change a prompt and a response token
@@ -248,3 +259,11 @@ def test_resolve_packing():
     assert resolve_packing("auto", model) is False
     with pytest.raises(ValueError):
         resolve_packing("sometimes", model)
+    # a packing learner gives its sdpa model (and the reference's) the per-sequence attention
+    lrn = _learner("reval", True, None)
+    assert lrn.model.config._attn_implementation == VARLEN_SDPA
+    assert lrn.reference.model.config._attn_implementation == VARLEN_SDPA
+    assert _learner("reval", False, None).model.config._attn_implementation == "sdpa"
+    eager = tiny(attn="eager")
+    use_varlen_attention(eager)  # only sdpa is replaced
+    assert eager.config._attn_implementation == "eager"
