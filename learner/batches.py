@@ -147,7 +147,7 @@ def micro_batches(
             else:
                 bins.append([i])
                 loads.append(n)
-        return [sorted(b) for b in bins]
+        return bins  # longest first within each: equal lengths adjacent (``_varlen_sdpa``)
     out: list[list[int]] = []
     cur: list[int] = []
     top_p = top_r = 0

@@ -15,7 +15,6 @@ apart. Everything after the model runs in fp32.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -180,7 +179,8 @@ def _varlen_sdpa(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """``VARLEN_SDPA``: with ``cu_seq_lens_q`` (a packed row's bounds, ``policy_stats``) causal
-    sdpa over each sequence of the row [1, H, L, D] by itself; otherwise transformers' sdpa."""
+    sdpa over each sequence of the row [1, H, L, D] by itself (consecutive ones of one length
+    batched); otherwise transformers' sdpa."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
@@ -192,17 +192,23 @@ def _varlen_sdpa(
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     bounds = cu.tolist()
-    outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, a:b],
-            key[:, :, a:b],
-            value[:, :, a:b],
-            dropout_p=dropout,
-            is_causal=True,
-            scale=scaling,
+    outs = []
+    i = 0
+    while i < len(bounds) - 1:  # a run of equal lengths goes through sdpa as one batch
+        a, n = bounds[i], bounds[i + 1] - bounds[i]
+        j = i + 1
+        while j < len(bounds) - 1 and bounds[j + 1] - bounds[j] == n:
+            j += 1
+        k = j - i
+
+        def seqs(x: Tensor, a: int = a, n: int = n, k: int = k) -> Tensor:  # -> [k, H, n, D]
+            return x[0, :, a : a + k * n].unflatten(1, (k, n)).transpose(0, 1)
+
+        o = F.scaled_dot_product_attention(
+            seqs(query), seqs(key), seqs(value), dropout_p=dropout, is_causal=True, scale=scaling
         )
-        for a, b in itertools.pairwise(bounds)
-    ]
+        outs.append(o.transpose(0, 1).flatten(1, 2)[None])  # [1, H, k * n, D]
+        i = j
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

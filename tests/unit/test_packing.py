@@ -73,10 +73,25 @@ def trajs(n: int, seed: int = 0, empty: bool = False) -> list[Trajectory]:
     return out
 
 
+def equal_runs(ts: list[Trajectory]) -> list[Trajectory]:
+    """Three then two consecutive trajectories of one length each (``_varlen_sdpa`` batches
+    them)."""
+    ts = copy.deepcopy(ts)
+    for i, (p, r) in ((1, (4, 7)), (2, (4, 7)), (3, (4, 7)), (5, (6, 3)), (6, (6, 3))):
+        t = ts[i]
+        t.prompt_ids = np.resize(t.prompt_ids, p)
+        t.response_ids = np.resize(t.response_ids, r)
+        t.logprobs = np.resize(t.logprobs, r)
+    return ts
+
+
 @pytest.mark.parametrize("attn", ATTENTION)
-def test_packed_stats_equal_padded(attn):
+@pytest.mark.parametrize("runs", [False, True])
+def test_packed_stats_equal_padded(attn, runs):
     model = tiny(attn=attn)
-    ts = trajs(7, seed=1, empty=True)
+    ts = trajs(8, seed=1, empty=True)
+    if runs:
+        ts = equal_runs(ts)
     padded, packed = collate(ts, PAD, EOS), pack(ts, PAD, EOS)
     assert packed.input_ids.shape == (1, sum(t.prompt_ids.size + t.response_ids.size for t in ts))
     assert packed.attention_mask is None
@@ -174,17 +189,18 @@ def _row_stats(model, ts, full_mask: bool = False):
 @pytest.mark.parametrize("attn", ATTENTION)
 def test_no_attention_across_sequences(attn):
     model = tiny(attn=attn)
-    ts = trajs(3, seed=5)
+    ts = equal_runs(trajs(7, seed=5))
     changed = copy.deepcopy(ts)
-    a = changed[0]  # sequence A, first in the row: change a prompt and a response token
+    a = changed[1]  # sequence A, first of a run of 3 of one length: change two tokens
     a.prompt_ids = a.prompt_ids.copy()
     a.prompt_ids[-1] = 3 + (a.prompt_ids[-1] - 2) % (VOCAB - 3)
     a.response_ids = a.response_ids.copy()
     a.response_ids[0] = 3 + (a.response_ids[0] - 2) % (VOCAB - 3)
     for full_mask in (False, True):
         s0, s1 = _row_stats(model, ts, full_mask), _row_stats(model, changed, full_mask)
-        assert not torch.equal(s0.logp[0], s1.logp[0])  # A itself did change
-        later_same = torch.equal(s0.logp[1:], s1.logp[1:]) and torch.equal(s0.v1[1:], s1.v1[1:])
+        assert not torch.equal(s0.logp[1], s1.logp[1])  # A itself did change
+        assert torch.equal(s0.logp[0], s1.logp[0])  # before A: causal either way
+        later_same = torch.equal(s0.logp[2:], s1.logp[2:]) and torch.equal(s0.v1[2:], s1.v1[2:])
         # packed: the sequences after A are bit-identical; with the whole row attending, not
         assert later_same is not full_mask
 
