@@ -8,7 +8,8 @@
    (``micro_batch_size = 8``, no token budget), padded with a 16k budget, and packed with the
    same budget (computed = what the forward runs on: padded count x (longest prompt + longest
    response), packed the sum of the lengths). At full scale, from the lengths alone.
-2. Update times (ReVal, reference quantities cached; wall and this process's CPU time, the
+2. Update times (a Llama-shaped model of width 128, 2 layers, vocabulary 512; ReVal, reference
+   quantities cached; wall and this process's CPU time, the
    latter steadier on a shared machine) through ``Learner.update`` with a tiny
    model, every length divided by ``--scale`` (so it runs in a couple of minutes on two cores):
    on the RL-like lengths for the three micro-batchings (useful tokens/s), and on equal lengths
@@ -119,11 +120,11 @@ def time_updates(
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--scale", type=int, default=32, help="lengths divided by this for timing")
+    ap.add_argument("--scale", type=int, default=16, help="lengths divided by this for timing")
     ap.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of the responses")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--batches", type=int, default=200, help="draws for the token ratios")
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
