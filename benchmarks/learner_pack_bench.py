@@ -94,8 +94,12 @@ def trajectories(sizes: list[tuple[int, int]], seed: int) -> list[Trajectory]:
 
 
 def time_updates(
-    model: torch.nn.Module, plans: dict[str, tuple[int, int | None, bool]], ts, reps: int
-) -> dict[str, float]:
+    model: torch.nn.Module,
+    plans: dict[str, tuple[int, int | None, bool]],
+    ts: list[Trajectory],
+    reps: int,
+) -> dict[str, tuple[float, float]]:
+    """Each plan's (wall, CPU) seconds of one update, best of ``reps``."""
     learners = {
         name: Learner(
             model,

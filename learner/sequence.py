@@ -57,9 +57,10 @@ class Batch:
         return self.keep is not None
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(
-            *(t.to(device) if isinstance(t, Tensor) else t for t in self.__dict__.values())
-        )
+        moved: dict[str, Any] = {
+            k: v.to(device) if isinstance(v, Tensor) else v for k, v in self.__dict__.items()
+        }
+        return Batch(**moved)
 
 
 @dataclass
@@ -202,7 +203,7 @@ def _varlen_sdpa(
         k = j - i
 
         def seqs(x: Tensor, a: int = a, n: int = n, k: int = k) -> Tensor:  # -> [k, H, n, D]
-            return x[0, :, a : a + k * n].unflatten(1, (k, n)).transpose(0, 1)
+            return x[0, :, a : a + k * n].reshape(x.shape[1], k, n, x.shape[3]).transpose(0, 1)
 
         o = F.scaled_dot_product_attention(
             seqs(query), seqs(key), seqs(value), dropout_p=dropout, is_causal=True, scale=scaling
