@@ -1,193 +1,483 @@
-"""Hand-run benchmark of weight sync: the learner's bucketed broadcast (``reval/weights.py``
-buckets, one gloo broadcast per bucket, the receiver unpacking views) against one flat tensor
-broadcast of the same bytes and a memcpy, in the same run, for a 50 MB and a 500 MB model
-(float32 tensors of transformer-like shapes). Two processes on this machine over gloo.
+"""Hand-run benchmark of the weight path (``reval/weights/``), two modes.
 
-    .venv/bin/python benchmarks/sync_bench.py            # figures go into docs/learner.md
+**CPU (default).** Three processes on this machine over gloo: the learner (rank 0) publishes a
+Qwen2-shaped model (fp32, the compute dtype on CPU) with the real sender,
+``WeightSender.send(model, version)`` into a ``BroadcastHub`` (files off), and two receivers,
+each in its own process, take it through ``LocalReceiver`` (a ``BroadcastReceiver`` thread).
+Timed from a barrier until both receivers hold the whole version (then a barrier), against a flat
+``torch.distributed.broadcast`` of the same bytes (one tensor, the same three processes, the same
+run), for a ~50 MB and a ~500 MB model. Repetitions alternate the two; medians are reported,
+and the CPU time of the three processes per sync. A diagnostic column sends buckets packed
+beforehand through the same hub (what the transport costs without gathering and packing).
 
-Target (the learner-service issue): the bucketed broadcast at least 0.9 of the flat one.
+    .venv/bin/python benchmarks/sync_bench.py --reps 15    # figures go into docs/learner.md
+
+Target (the learner-service issue): hub >= 0.9 of the flat broadcast (flat time / hub time).
+
+**GPU (``--gpu``).** One learner rank on one CUDA device (a 1-rank NCCL group, the model sharded
+with ``learner.parallel.shard`` in bf16 over fp32 masters), Qwen2.5-1.5B- and 7B-shaped models
+(random weights). Measured in one run:
+
+- ``send``: the critical path of ``WeightSender.send(model, version)``, the time the learner is
+  blocked: until the device has done what send queued (the learner's next kernels queue behind
+  it; the time until send returns is reported beside it). The file mirror is on
+  (``FileWriter``: asynchronous copies into pinned host memory, the file written by its thread
+  into a temporary directory); the hub is a gloo ``BroadcastHub`` with no members (``hub.start``
+  finds nobody and the sync skips the broadcast: an NCCL member needs a second process on a
+  second GPU). So what is timed is gathering (``full_tensor`` in bf16), packing into pooled
+  device buckets and the device-to-host mirror copies, not the wire;
+- ``floor``: per-parameter ``full_tensor`` in bf16 plus packing into buckets from a
+  ``BufferPool``, nothing else;
+- the peak extra device memory during ``send`` (``torch.cuda.max_memory_allocated`` above the
+  memory allocated before it).
+
+    .venv/bin/python benchmarks/sync_bench.py --gpu --out sync_gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
+import json
 import os
 import socket
 import statistics
+import tempfile
 import time
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
-from reval.weights.buckets import pack_buckets
-from reval.weights.collective import BroadcastHub, BroadcastReceiver
+from reval.weights.buckets import BufferPool, plan_buckets
+from reval.weights.collective import IN_FLIGHT, BroadcastHub
+from reval.weights.files import WeightStore
+from reval.weights.receiver import LocalReceiver
+from reval.weights.sender import WeightSender, _full, published_tensors
 
+# -- models ---------------------------------------------------------------------------------------
 
-def model_like(total_mb: int) -> list[tuple[str, torch.Tensor]]:
-    """Layers of a transformer: big matrices and small vectors, ``total_mb`` MB of float32."""
-    out: list[tuple[str, torch.Tensor]] = []
-    hidden = 512 if total_mb <= 100 else 1536
-    per_layer = 12 * hidden * hidden + 4 * hidden  # qkv/o + mlp + norms, in floats
-    layers = max(1, total_mb * (1 << 20) // 4 // per_layer)
-    for i in range(layers):
-        out += [
-            (f"l{i}.attn.qkv", torch.randn(3 * hidden, hidden)),
-            (f"l{i}.attn.o", torch.randn(hidden, hidden)),
-            (f"l{i}.mlp.up", torch.randn(4 * hidden, hidden)),
-            (f"l{i}.mlp.down", torch.randn(hidden, 4 * hidden)),
-            (f"l{i}.norm1", torch.randn(hidden)),
-            (f"l{i}.norm2", torch.randn(hidden)),
-            (f"l{i}.bias", torch.randn(3 * hidden)),
-            (f"l{i}.bias2", torch.randn(hidden)),
-        ]
-    return out
+CPU_SHAPES: dict[str, dict[str, Any]] = {
+    # ~50 MB and ~500 MB of fp32 (Qwen2's layer structure at smaller widths)
+    "50MB": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=3,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=8000,
+                 tie_word_embeddings=True),
+    "500MB": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
+                  num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                  tie_word_embeddings=True),
+}  # fmt: skip
 
-
-def _hub_pair(rank: int, bucket_bytes: int) -> tuple[Any, Any]:
-    """Rank 0 hosts a BroadcastHub, rank 1 joins it with a BroadcastReceiver."""
-    hub = recv = None
-    if rank == 0:
-        hub = BroadcastHub(0, host="127.0.0.1", timeout_s=120, bucket_bytes=bucket_bytes)
-    where = [(hub.port, hub.secret) if hub is not None else None]
-    dist.broadcast_object_list(where, src=0)
-    if rank == 1:
-        port, secret = where[0]
-        recv = BroadcastReceiver("127.0.0.1", int(port), "bench", secret, timeout_s=120)
-    dist.barrier()
-    if hub is not None:
-        while int(hub.store.add("tickets", 0)) < 1:
-            time.sleep(0.01)
-    return hub, recv
+QWEN_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       tie_word_embeddings=False),
+}  # fmt: skip
+"""Qwen2.5's real dimensions (their config.json), random weights."""
 
 
-def _take(recv: Any, version: int) -> None:
-    while True:
-        got = recv.take()
-        if got is not None and got[0] == version:
-            del got
-            recv.release()
-            return
-        time.sleep(0.0005)
+@torch.no_grad()
+def build_model(shape: dict[str, Any], device: torch.device | str) -> nn.Module:
+    """A Qwen2 model of ``shape`` in fp32 on ``device``, cheaply: built on the meta device,
+    materialized with ``to_empty`` and filled with ``normal_`` (not transformers' init)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**shape, max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    model = model.to_empty(device=device)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    gen = torch.Generator(device=device).manual_seed(0)  # (buffers stay uninitialized: no forward)
+    for p in model.parameters():
+        p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
 
 
-def _rank(rank: int, port: int, sizes: list[int], bucket_mb: float, reps: int, q: object) -> None:
+def payload_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of one published copy of the model in ``dtype``."""
+    return sum(
+        t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
+        for _, t in published_tensors(model)
+    )
+
+
+# -- CPU mode -------------------------------------------------------------------------------------
+
+
+def _wait_version(recv: LocalReceiver, version: int, timeout_s: float = 300.0) -> None:
+    """Until ``recv`` holds ``version`` complete (received, not yet taken)."""
+    deadline = time.monotonic() + timeout_s
+    while recv.ready() != version:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"version {version} not received (holds {recv.ready()})")
+        time.sleep(0.001)
+
+
+def _load(params: dict[str, torch.Tensor], named: Any, version: int) -> None:
+    """A receiver's in-place load (an engine's ``load_weights``)."""
+    for n, t in named:
+        params[n].copy_(t)
+
+
+def _cpu_rank(rank: int, port: int, args: argparse.Namespace, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=dt.timedelta(seconds=600))
-    torch.set_num_threads(1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=dt.timedelta(seconds=900))
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
     results = []
-    for mb in sizes:
-        tensors = model_like(mb) if rank == 0 else None
-        objs = [[(n, tuple(t.shape)) for n, t in tensors] if tensors else None]
-        dist.broadcast_object_list(objs, src=0)
-        shapes = objs[0]
-        if tensors is None:
-            tensors = [(n, torch.empty(s)) for n, s in shapes]
-        nbytes = sum(t.numel() * 4 for _, t in tensors)
-        flat = torch.empty(nbytes, dtype=torch.uint8)
-        times: dict[str, list[float]] = {
-            "flat": [],
-            "bucketed": [],
-            "memcpy": [],
-            "memcpy_cold": [],
-            "sent": [],
-        }
-        # The buckets alone (packed beforehand): what bucketing costs the transport.
+    for size in args.sizes.split(","):
+        shape = CPU_SHAPES[size]
+        model = build_model(shape, "cpu")
+        nbytes = payload_bytes(model, torch.float32)
+        flat = torch.zeros(nbytes, dtype=torch.uint8)  # (touched: no first-touch faults)
+        sender = recv = None
         if rank == 0:
-            ready = [b.data for b in pack_buckets(tensors, int(bucket_mb * (1 << 20)), 1)]
-            sizes_ = [int(d.numel()) for d in ready]
+            hub = BroadcastHub(0, host="127.0.0.1", timeout_s=300, bucket_bytes=bucket_bytes)
+            sender = WeightSender(0, torch.float32, "cpu", bucket_bytes, store=None, hub=hub)
+            where: list[Any] = [sender.address]
         else:
-            sizes_ = None
-        box = [sizes_]
-        dist.broadcast_object_list(box, src=0)
+            where = [None]
+        dist.broadcast_object_list(where, src=0)
         if rank != 0:
-            ready = [torch.empty(n, dtype=torch.uint8) for n in box[0]]
-        hub, recv = _hub_pair(rank, int(bucket_mb * (1 << 20)))
+            params = {n: t.detach().zero_() for n, t in published_tensors(model)}  # (until loaded)
+            recv = LocalReceiver(partial(_load, params), "cpu")
+            assert recv.join(where[0], f"bench{rank}", 300)
+        # Buckets packed beforehand (the diagnostic): the sender's own layout.
+        if rank == 0:
+            plan = plan_buckets(published_tensors(model), bucket_bytes)
+            packed = [p.pack().data for p in plan]
+        if rank == 0:
+            assert sender is not None
+            while int(sender.hub.store.add("tickets", 0)) < 2:  # type: ignore[union-attr]
+                time.sleep(0.01)
+        times: dict[str, list[float]] = {"flat": [], "hub": [], "prepacked": [], "send": []}
+        cpu: dict[str, list[float]] = {"flat": [], "hub": [], "prepacked": []}
         version = 0
-        if rank == 0:  # the first sync forms the group
-            assert hub.sync(tensors, version) == 1
-        else:
-            _take(recv, version)
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.broadcast(flat, src=0)
-            times["flat"].append(time.perf_counter() - t0)
-            # The real thing: BroadcastHub.sync on rank 0, a BroadcastReceiver on rank 1 (the
-            # receiver's thread receives; rank 1 takes the version, releases its buffers), then
-            # a barrier: the sync is done when the receiver holds the whole version.
-            version += 1
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                assert hub.sync(tensors, version) == 1
-            else:
-                _take(recv, version)
-            dist.barrier()
-            times["bucketed"].append(time.perf_counter() - t0)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for w in [dist.broadcast(d, src=0, async_op=True) for d in ready]:
-                w.wait()
-            times["sent"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            dst = torch.empty_like(flat)
-            dst.copy_(flat)  # into fresh memory: every page faults on first touch
-            times["memcpy_cold"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            dst.copy_(flat)  # into memory touched before
-            times["memcpy"].append(time.perf_counter() - t0)
+        for rep in range(-args.warmup, args.reps):
+            for kind in ("hub", "flat", "prepacked") if rep % 2 else ("flat", "prepacked", "hub"):
+                dist.barrier()
+                c0, t0 = time.process_time(), time.perf_counter()
+                if kind == "flat":
+                    dist.broadcast(flat, src=0)
+                elif rank == 0:
+                    version += 1
+                    assert sender is not None and sender.hub is not None
+                    if kind == "hub":
+                        got = sender.send(model, version).receivers
+                    else:
+                        for p in plan:
+                            p.version = version
+                        assert sender.hub.start(version, plan)
+                        for data in packed:
+                            sender.hub.send(data)
+                        got = sender.hub.finish()
+                    sent = time.perf_counter() - t0
+                    assert got == 2, f"{kind}: reached {got} receivers"
+                else:
+                    version += 1
+                    assert recv is not None
+                    _wait_version(recv, version)
+                dist.barrier()
+                took, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+                if rep >= 0:
+                    times[kind].append(took)
+                    cpu[kind].append(cpu_s)
+                    if kind == "hub" and rank == 0:
+                        times["send"].append(sent)
+                if kind != "flat" and recv is not None:
+                    assert recv.take(None) == version  # load (untimed), release the buffers
+        # The bytes arrived: every receiver's model (zeroed before) equals the learner's.
+        with torch.no_grad():
+            sums = [float(sum(t.double().sum() for _, t in published_tensors(model)))]
+        gathered: list[Any] = [None] * 3
+        dist.all_gather_object(gathered, sums)
+        assert all(g == gathered[0] for g in gathered), gathered
+        cpus: list[Any] = [None] * 3
+        dist.all_gather_object(cpus, cpu)  # (CPU time of every thread of each process)
         if recv is not None:
-            recv.close()
+            recv.leave()
+        if rank == 0:
+            by_rank = {k: [statistics.median(c[k]) for c in cpus] for k in cpu}
+            results.append({"model": size, "nbytes": nbytes, "times": times, "cpu_s": by_rank,
+                            "buckets": len(plan)})  # fmt: skip
         dist.barrier()
-        if rank == 1:
-            med = {k: statistics.median(v) for k, v in times.items()}
-            results.append((mb, nbytes, med))
-    if rank == 1:
-        q.put(results)  # type: ignore[attr-defined]
+        if sender is not None:
+            sender.close()
+        del model, flat
+    if rank == 0:
+        q.put(results)
     dist.destroy_process_group()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="50,500")
-    ap.add_argument("--bucket-mb", type=float, default=64.0)
-    ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
-    sizes = [int(x) for x in args.sizes.split(",")]
+def _collect(q: Any, procs: list[Any]) -> Any:
+    """Rank 0's results, or SystemExit when a process ended without them."""
+    import queue
+
+    while True:
+        try:
+            out = q.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                codes = [p.exitcode for p in procs]
+                raise SystemExit(f"a benchmark process failed: {codes}") from None
+    for p in procs:
+        p.join()
+    return out
+
+
+def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(r, port, sizes, args.bucket_mb, args.reps, q))
-        for r in range(2)
-    ]
+    procs = [ctx.Process(target=_cpu_rank, args=(r, port, args, q)) for r in range(3)]
     for p in procs:
         p.start()
-    results = q.get()
-    for p in procs:
-        p.join()
-    print(f"# Weight sync, 2 processes over gloo, buckets of {args.bucket_mb:g} MB, "
-          f"median of {args.reps}\n")  # fmt: skip
+    results = _collect(q, procs)
     print(
-        "| model | flat GB/s | buckets GB/s (packed before) | buckets / flat | "
-        "sync GB/s (BroadcastHub to BroadcastReceiver) | sync / flat | memcpy GB/s | "
-        "memcpy into fresh memory GB/s |"
+        f"# Weight sync on CPU: the learner and 2 receiver processes over gloo (loopback), "
+        f"{args.bucket_mb:g} MB buckets, {args.threads or torch.get_num_threads()} torch "
+        f"thread(s) each, median of "
+        f"{args.reps} (after {args.warmup} warm-up)\n"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for _mb, nbytes, med in results:
-        gb = nbytes / 1e9
-        flat, buck, mem = gb / med["flat"], gb / med["bucketed"], gb / med["memcpy"]
-        cold = gb / med["memcpy_cold"]
-        sent = gb / med["sent"]
+    print(
+        "| model | buckets | flat GB/s | hub GB/s | hub / flat | per-rep hub / flat, median | "
+        "prepacked / flat | CPU s flat / hub / prepacked (3 processes) | send returns s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        t = r["times"]
+        med = {k: statistics.median(v) for k, v in t.items()}
+        gb = r["nbytes"] / 1e9
+        r["median_s"] = med
+        r["ratio_hub"] = med["flat"] / med["hub"]
+        r["ratio_prepacked"] = med["flat"] / med["prepacked"]
+        r["ratio_per_rep"] = [f / h for f, h in zip(t["flat"], t["hub"], strict=True)]
+        r["ratio_per_rep_median"] = statistics.median(r["ratio_per_rep"])
+        cpu = {k: sum(v) for k, v in r["cpu_s"].items()}
         print(
-            f"| {nbytes / 1e6:,.0f} MB | {flat:.2f} | {sent:.2f} | {sent / flat:.2f} | "
-            f"{buck:.2f} | {buck / flat:.2f} | {mem:.2f} | {cold:.2f} |"
+            f"| {r['nbytes'] / 1e6:,.0f} MB | {r['buckets']} | {gb / med['flat']:.2f} | "
+            f"{gb / med['hub']:.2f} | {r['ratio_hub']:.2f} | {r['ratio_per_rep_median']:.2f} | "
+            f"{r['ratio_prepacked']:.2f} | {cpu['flat']:.3f} / {cpu['hub']:.3f} / "
+            f"{cpu['prepacked']:.3f} | {med['send']:.3f} |"
         )
+    print()
+    for r in results:
+        print(f"{r['model']}: hub / flat per rep", " ".join(f"{x:.2f}" for x in r["ratio_per_rep"]))
+        print(f"{r['model']}: CPU s by process (learner, receiver 1, receiver 2):",
+              {k: [round(x, 3) for x in v] for k, v in r["cpu_s"].items()})  # fmt: skip
+    return {"mode": "cpu", "bucket_mb": args.bucket_mb, "reps": args.reps,
+            "threads": args.threads, "results": results}  # fmt: skip
+
+
+# -- GPU mode -------------------------------------------------------------------------------------
+
+
+class _FilesOnly(WeightStore):
+    """A ``WeightStore``'s files without Redis: the versions' files are written (and pruned to
+    the newest) as the learner writes them; nothing is announced."""
+
+    def __init__(self, directory: str | Path) -> None:  # (no client: WeightStore's is Redis)
+        self.dir, self.keep, self.key = Path(directory), 1, "sync-bench"
+
+    def announce(self, version: int, lineage: str, broadcast: str | None, first: bool) -> None:
+        pass
+
+    def announce_file(self, version: int, path: Path, lineage: str) -> bool:
+        return True
+
+    def latest(self) -> None:
+        return None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _floor(
+    model: nn.Module, plan: list[Any], pool: BufferPool, dtype: torch.dtype, device: torch.device
+) -> None:
+    """What any send must do: each parameter's full tensor in ``dtype`` (cast on the shard,
+    ``full_tensor``), packed into device buckets from a pool (the sender's own ``_full`` and
+    ``PlannedBucket.pack``), nothing else."""
+    source = iter(published_tensors(model))
+    for planned in plan:
+        planned.tensors = [_full(next(source)[1], dtype) for _ in planned.metas]
+        buf = pool.get(planned.nbytes, device)
+        planned.pack(out=buf)
+        planned.tensors = []
+        pool.put(buf)
+
+
+def _gather(model: nn.Module, dtype: torch.dtype) -> None:
+    """Only the gathers (a diagnostic): each parameter's full tensor in ``dtype``, dropped."""
+    for _, t in published_tensors(model):
+        _full(t, dtype)
+
+
+def _gpu_one(
+    name: str, device: torch.device, mesh: Any, args: argparse.Namespace
+) -> dict[str, Any]:
+    from learner.parallel import shard
+
+    dtype = torch.bfloat16
+    shape = {**CPU_SHAPES, **QWEN_SHAPES}[name]
+    model = shard(build_model(shape, device), mesh, dtype)  # fp32 masters, bf16 compute
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    nbytes = payload_bytes(model, dtype)
+    plan = plan_buckets(
+        [(n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                         device="meta")) for n, t in published_tensors(model)],
+        bucket_bytes,
+    )  # fmt: skip
+    cuda = device.type == "cuda"
+    with tempfile.TemporaryDirectory(prefix="sync-bench-", dir=args.weights_dir) as tmp:
+        # A gloo hub nobody joined: ``start`` finds no member, so the sync skips the wire.
+        hub = BroadcastHub(0, host="127.0.0.1", timeout_s=60, bucket_bytes=bucket_bytes)
+        sender = WeightSender(0, dtype, device, bucket_bytes, store=_FilesOnly(tmp), hub=hub)
+        assert sender.files is not None
+        pool = BufferPool(keep=IN_FLIGHT + 2)
+        kinds = ("send", "floor", "gather")
+        times: dict[str, list[float]] = {k: [] for k in (*kinds, "send_returns")}
+        peak: dict[str, list[int]] = {k: [] for k in kinds}
+        first_send_peak = None
+        version = 0
+        for rep in range(-args.warmup, args.reps):
+            for kind in kinds if rep % 2 else kinds[::-1]:
+                if kind == "send":
+                    sender.files.wait()  # (the previous version's file is written: untimed)
+                _sync(device)
+                base = torch.cuda.memory_allocated(device) if cuda else 0
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                t0 = time.perf_counter()
+                if kind == "send":
+                    version += 1
+                    result = sender.send(model, version)
+                    returned = time.perf_counter() - t0
+                    assert result.file and result.receivers == 0, result
+                elif kind == "floor":
+                    _floor(model, plan, pool, dtype, device)
+                else:
+                    _gather(model, dtype)
+                _sync(device)  # the learner's next kernels queue behind what send queued
+                took = time.perf_counter() - t0
+                extra = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+                if kind == "send" and first_send_peak is None:
+                    first_send_peak = extra  # (allocates the pool's buckets)
+                if rep >= 0:
+                    times[kind].append(took)
+                    peak[kind].append(extra)
+                    if kind == "send":
+                        times["send_returns"].append(returned)
+        assert sender.files.wait(600) and sender.files.errors == 0, sender.files.last_error
+        assert sender.files.written == version and not sender.files.skipped
+        written = sorted(p.name for p in Path(tmp).glob("v*.safetensors"))
+        assert written == [f"v{version:08d}.safetensors"], written
+        sender.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {
+        "model": name,
+        "params": sum(t.numel() for _, t in published_tensors(model)),
+        "nbytes": nbytes,
+        "buckets": len(plan),
+        "largest_bucket": max(p.nbytes for p in plan),
+        "times_s": times,
+        "median_s": med,
+        "ratio_send_to_floor": med["send"] / med["floor"],
+        "peak_extra_bytes": {k: max(v) for k, v in peak.items()},
+        "first_send_peak_extra_bytes": first_send_peak,
+        "device_pool_bytes": sum(int(b.numel()) for b in hub.pool._free),
+    }
+    del model, sender, hub, pool
+    gc.collect()  # (FSDP's hooks hold the module in cycles: free it before the next model)
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu needs a CUDA device (--device cpu: a dry run of the path)")
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # One learner rank, as ``reval learner`` groups its ranks (learner/parallel.py backend_for).
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, timeout=dt.timedelta(seconds=600))  # fmt: skip
+    try:
+        mesh = init_device_mesh(device.type, (1,))
+        results = [_gpu_one(name, device, mesh, args) for name in args.sizes.split(",")]
+    finally:
+        dist.destroy_process_group()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
+    print(
+        f"# WeightSender.send on one learner rank ({where}): bf16 over fp32 masters, "
+        f"{args.bucket_mb:g} MB buckets, files on, a hub with no members (no wire); "
+        f"median of {args.reps}\n"
+    )
+    print("| model | GB sent | buckets | send s (stream idle) | send returns s | floor s | "
+          "send / floor | gathers only s | peak extra MiB send / floor (first send) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    mib = 1 << 20
+    for r in results:
+        m, pk = r["median_s"], r["peak_extra_bytes"]
+        print(
+            f"| {r['model']} | {r['nbytes'] / 1e9:.2f} | {r['buckets']} | {m['send']:.4f} | "
+            f"{m['send_returns']:.4f} | {m['floor']:.4f} | {r['ratio_send_to_floor']:.2f} | "
+            f"{m['gather']:.4f} | {pk['send'] / mib:,.0f} / {pk['floor'] / mib:,.0f} "
+            f"({(r['first_send_peak_extra_bytes'] or 0) / mib:,.0f}) |"
+        )
+    return {"mode": "gpu", "device": where, "bucket_mb": args.bucket_mb, "reps": args.reps,
+            "results": results}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="the GPU mode (one CUDA device)")
+    ap.add_argument("--sizes", default=None, help="CPU: 50MB,500MB; GPU: qwen2.5-1.5b,qwen2.5-7b")
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU: torch threads per process (default torch's: the machine's cores, as the "
+        "learner's one rank and the workers have here)",
+    )  # fmt: skip
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--device", default="cuda", help="GPU: the device (cpu: a dry run)")
+    ap.add_argument("--weights-dir", default=None, help="GPU: where the files go (a temp dir)")
+    args = ap.parse_args()
+    if args.gpu:
+        args.sizes = args.sizes or ",".join(QWEN_SHAPES)
+        out = gpu_main(args)
+    else:
+        args.sizes = args.sizes or ",".join(CPU_SHAPES)
+        out = cpu_main(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
 
