@@ -25,7 +25,13 @@ from learner.sequence import (
     use_varlen_attention,
 )
 from learner.trainer import Learner
-from reval.config import AlgoConfig, LearnerConfig, TinyModelConfig
+from reval.config import (
+    AlgoConfig,
+    LearnerConfig,
+    TinyModelConfig,
+    build_config,
+    parse_overrides,
+)
 from reval.policy import build_tiny_model
 
 PAD, EOS, VOCAB = 0, 1, 40
@@ -270,6 +276,11 @@ def test_packing_fills_the_budget():
 def test_resolve_packing():
     model = tiny()
     assert LearnerConfig().packing == "auto"
+    for text, value in (("true", True), ("false", False), ("auto", "auto")):
+        cfg = build_config(parse_overrides([f"learner.packing={text}"]))
+        assert cfg.learner.packing == value and type(cfg.learner.packing) is type(value)
+    with pytest.raises(ValueError):
+        build_config(parse_overrides(["learner.packing=3"]))
     assert resolve_packing("auto", model) is (model.config._attn_implementation in PACKED_ATTENTION)
     assert resolve_packing("auto", model) is True  # the tiny model runs sdpa on the CPU
     assert resolve_packing(False, model) is False and resolve_packing(True, model) is True
