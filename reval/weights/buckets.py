@@ -20,6 +20,8 @@ from torch import Tensor
 HEADER_VERSION = 1
 ALIGN = 64  # bytes; keeps every view aligned for any dtype and for vectorized copies
 RAMP = 8
+ALONE = 4
+"""A tensor of at least ``bucket_bytes / ALONE`` is a bucket of its own (``plan_buckets``)."""
 """The first bucket holds at most ``bucket_bytes / RAMP``, each next one up to twice the one
 before, then ``bucket_bytes``: the first broadcast starts once a small bucket is packed, and
 packing the rest overlaps it (a 53 MB model in one 64 MB bucket waited for all of it)."""
@@ -125,11 +127,11 @@ class PlannedBucket:
                 raise ValueError(f"pack: need a uint8 buffer of {self.nbytes} bytes")
             data = out[: self.nbytes]
         for t, m in zip(self.tensors, self.metas, strict=True):
-            _copy_bytes(data[m.offset : m.offset + m.nbytes], t.detach().contiguous())
+            copy_bytes(data[m.offset : m.offset + m.nbytes], t.detach().contiguous())
         return Bucket(self.metas, data, self.version)
 
 
-def _copy_bytes(dst: Tensor, src: Tensor) -> None:
+def copy_bytes(dst: Tensor, src: Tensor) -> None:
     """``dst`` (uint8) = ``src``'s bytes. Between CPU tensors a plain single-threaded memcpy
     (numpy's, without the GIL), never torch's intra-op threads: the copy runs beside the
     broadcast's socket threads, and OpenMP threads that spin after each parallel copy took the
@@ -192,8 +194,9 @@ class BufferPool:
 def plan_buckets(
     named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int, version: int = 0
 ) -> list[PlannedBucket]:
-    """Group tensors into buckets of at most ``bucket_bytes`` (a larger tensor gets its own; the
-    first ones smaller, ``RAMP``), without copying anything yet."""
+    """Group tensors into buckets of at most ``bucket_bytes`` (the first ones smaller, ``RAMP``),
+    without copying anything yet. A tensor of at least ``bucket_bytes / ALONE`` gets a bucket
+    of its own: a sender can send it from its own memory, without packing it."""
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be > 0")
     out: list[PlannedBucket] = []
@@ -220,12 +223,17 @@ def plan_buckets(
         if str(tensor.dtype).removeprefix("torch.") not in _DTYPES:
             raise TypeError(f"{name}: dtype {tensor.dtype} cannot be packed")
         nbytes = _align(tensor.numel() * tensor.element_size())
-        if pending and size + nbytes > limit:
+        alone = nbytes * ALONE >= bucket_bytes
+        if pending and (alone or size + nbytes > limit):
             flush()
             pending, size = [], 0
             limit = min(2 * limit, bucket_bytes)
         pending.append((name, tensor))
         size += nbytes
+        if alone:
+            flush()
+            pending, size = [], 0
+            limit = min(2 * limit, bucket_bytes)
     if pending:
         flush()
     return out

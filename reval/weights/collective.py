@@ -149,7 +149,8 @@ class _Sending:
 
     version: int
     seq: int
-    in_flight: list[tuple[Tensor | None, Any]] = field(default_factory=list)
+    in_flight: list[tuple[Tensor | None, Any, Tensor]] = field(default_factory=list)
+    """(the pool buffer or None, the collective's work, the bytes sent: kept alive until sent)."""
     failed: BaseException | None = None
 
 
@@ -278,7 +279,8 @@ class BroadcastHub:
 
     def send(self, data: Tensor, buf: Tensor | None = None) -> None:
         """Broadcast the next bucket's bytes (asynchronously: at most ``IN_FLIGHT`` buckets
-        in flight; ``buf``, the pool buffer holding ``data``, goes back to ``pool`` once sent).
+        in flight; ``buf``, the pool buffer holding ``data``, goes back to ``pool`` once sent;
+        without one, ``data`` is a tensor's own memory, left untouched until sent).
         After a failure the rest of the sync is skipped (``finish`` reports it)."""
         s = self._sending
         if s is None or s.failed is not None:
@@ -288,14 +290,14 @@ class BroadcastHub:
         try:
             if data.device != self.device:
                 data = data.to(self.device, non_blocking=True)
-            s.in_flight.append((buf, self.pg.broadcast(data, 0)))
+            s.in_flight.append((buf, self.pg.broadcast(data, 0), data))
             while len(s.in_flight) > IN_FLIGHT:
                 self._retire(s)
         except RuntimeError as err:  # a member died or stalled: the collective timed out
             s.failed = err
 
     def _retire(self, s: _Sending) -> None:
-        done, work = s.in_flight.pop(0)
+        done, work, _ = s.in_flight.pop(0)
         try:
             work.wait()
         finally:
@@ -314,7 +316,7 @@ class BroadcastHub:
         except RuntimeError as err:
             s.failed = s.failed or err
         if s.failed is not None:
-            for done, _ in s.in_flight:
+            for done, _, _ in s.in_flight:
                 if done is not None:
                     self.pool.put(done)
             self.failures += 1

@@ -38,7 +38,7 @@ from torch import Tensor
 from reval.config import RunConfig
 from reval.paths import free_space, last_line
 from reval.retry import retry_redis
-from reval.weights.buckets import TensorMeta
+from reval.weights.buckets import TensorMeta, copy_bytes
 
 log = logging.getLogger("reval.weights")
 
@@ -246,6 +246,8 @@ class FileWriter:
         self._at = 0
         self._version = -1
         self._event: Any = None
+        self._stream: Any = None
+        """The CUDA stream of the device-to-host copies (created with the first)."""
         self.written = 0
         self.last_written: int | None = None
         """The version of the last file written."""
@@ -268,21 +270,35 @@ class FileWriter:
         self._busy.set()
         return True
 
-    def copy(self, data: Tensor) -> None:
-        """The next tensor's bytes (a uint8 view, in ``metas`` order), copied asynchronously
-        from a device."""
+    def copy(self, data: Tensor) -> Any:
+        """The next tensor's bytes (a uint8 view, in ``metas`` order) into the mirror. From a
+        GPU asynchronously on a stream of its own, so the learner's next kernels never queue
+        behind the copy: returns the CUDA event after which ``data``'s memory may be written
+        again (None from the CPU: copied already)."""
         assert self._mirror is not None
         n = int(data.numel())
-        self._mirror[self._at : self._at + n].copy_(data, non_blocking=data.is_cuda)
+        dst = self._mirror[self._at : self._at + n]
         self._at += n
+        if not data.is_cuda:
+            copy_bytes(dst, data)
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=data.device)
+        self._stream.wait_stream(torch.cuda.current_stream(data.device))  # (data is packed)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(data, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        data.record_stream(self._stream)  # (a gathered tensor's memory outlives the copy)
+        return done
 
     def commit(self) -> None:
         """Hand the mirror to the writing thread (once the device's copies are done)."""
         assert self._mirror is not None and self._at == self._mirror.numel()
         self._event = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if self._stream is not None:  # the device's copies end with this event
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(self._stream)
         self._thread = threading.Thread(target=self._write, name="weights-file", daemon=True)
         self._thread.start()
 

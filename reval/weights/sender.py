@@ -21,6 +21,7 @@ import secrets
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import torch
@@ -95,6 +96,8 @@ class WeightSender:
         self._plan: list[PlannedBucket] | None = None
         self._names: list[str] = []
         self._persistent: set[str] | None = None
+        self._copying: dict[int, Any] = {}
+        """Pool buffers (by address) still being copied into the file's mirror (CUDA events)."""
 
     @property
     def address(self) -> str | None:
@@ -142,18 +145,23 @@ class WeightSender:
                 fulls = [_full(next(source)[1], self.dtype) for _ in planned.metas]
                 if not lead or not (hub or file):
                     continue
-                buf = self.pool.get(planned.nbytes, self.device)
-                planned.tensors = fulls
-                data = planned.pack(out=buf).data
-                planned.tensors = []
+                buf = None
+                data = self._whole(planned, fulls)
+                if data is None:  # packed into a reused buffer
+                    buf = self._buffer(planned.nbytes)
+                    planned.tensors = fulls
+                    data = planned.pack(out=buf).data
+                    planned.tensors = []
                 if file:
                     assert self.files is not None
                     for m in planned.metas:
-                        self.files.copy(data[m.offset : m.offset + m.nbytes])
+                        copied = self.files.copy(data[m.offset : m.offset + m.nbytes])
+                    if buf is not None and copied is not None:
+                        self._copying[buf.data_ptr()] = copied
                 if hub:
                     assert self.hub is not None
                     self.hub.send(data, buf)
-                else:
+                elif buf is not None:
                     self.pool.put(buf)
         except BaseException:
             if file and self.files is not None:
@@ -164,6 +172,27 @@ class WeightSender:
             self.files.commit()
         self.sent += 1
         return SendResult(version, nbytes, receivers, file)
+
+    def _whole(self, planned: PlannedBucket, fulls: list[Tensor]) -> Tensor | None:
+        """A bucket of one tensor filling it exactly (``plan_buckets`` gives a large tensor a
+        bucket of its own): the tensor's own bytes, sent without a copy; None otherwise."""
+        if len(fulls) != 1:
+            return None
+        t = fulls[0]
+        if not t.is_contiguous() or t.device.type != self.device.type:
+            return None
+        if t.numel() * t.element_size() != planned.nbytes:
+            return None
+        return t.view(-1).view(torch.uint8)
+
+    def _buffer(self, nbytes: int) -> Tensor:
+        """A pool buffer for packing, once the file's copy out of it (a GPU's side stream) is
+        done."""
+        buf = self.pool.get(nbytes, self.device)
+        copied = self._copying.pop(buf.data_ptr(), None)
+        if copied is not None:
+            torch.cuda.current_stream(buf.device).wait_event(copied)
+        return buf
 
     def close(self) -> None:
         if self.files is not None:
