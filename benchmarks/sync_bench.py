@@ -375,8 +375,9 @@ def _gpu_one(
                     _floor(model, plan, pool, dtype, device)
                 else:
                     _gather(model, dtype)
-                _sync(device)  # the learner's next kernels queue behind what send queued
-                took = time.perf_counter() - t0
+                if cuda:  # the learner's next kernels queue behind what send queued on its
+                    torch.cuda.current_stream(device).synchronize()  # stream (the file's
+                took = time.perf_counter() - t0  # copies run on a side stream: not in it)
                 extra = torch.cuda.max_memory_allocated(device) - base if cuda else 0
                 if kind == "send" and first_send_peak is None:
                     first_send_peak = extra  # (allocates the pool's buckets)
