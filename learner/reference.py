@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from buffer.records import Trajectory
-from learner.batches import micro_batches
+from learner.batches import layout
 from learner.sequence import make_batch, policy_stats, use_varlen_attention
 
 
@@ -30,13 +30,15 @@ class ReferencePolicy:
         max_tokens: int | None = None,
         dtype: torch.dtype = torch.float32,
         packed: bool = False,
+        auto_pack: float | None = None,
     ) -> None:
         """``model``: a ready copy of the policy (the learner service passes an FSDP-sharded
         one); by default a deep copy. ``sync_chunks``: under FSDP every rank must run the same
         number of forward passes: it maps this rank's count of micro-batches to the largest over
         the ranks, and ranks with fewer run repeats whose results they drop. ``max_tokens`` and
         ``dtype``: the learner's token budget per micro-batch and compute dtype; ``packed``: the
-        learner's micro-batch layout (``learner.packing``)."""
+        learner's micro-batch layout (``learner.packing``; ``auto_pack``: per share,
+        ``batches.layout``)."""
         self.sync_chunks = sync_chunks
         self.model = model if model is not None else copy.deepcopy(policy)
         self.model.eval()
@@ -47,6 +49,7 @@ class ReferencePolicy:
         self.max_tokens = max_tokens
         self.dtype = dtype
         self.packed = packed
+        self.auto_pack = auto_pack
         if packed:
             use_varlen_attention(self.model)
         self.version = 0
@@ -73,22 +76,23 @@ class ReferencePolicy:
         """Compute and cache the reference quantities of every trajectory whose cache is missing
         or from another reference version; returns how many were computed."""
         stale = [t for t in trajectories if t.ref_version != self.version]
-        parts = micro_batches(
+        packed, parts = layout(
             [(t.prompt_ids.size, t.response_ids.size) for t in stale],
             self.micro_batch_size,
             self.max_tokens,
             self.packed,
+            self.auto_pack,
         )
         if self.sync_chunks is not None and trajectories:
             extra = self.sync_chunks(len(parts)) - len(parts)
             if extra > 0:  # keep the FSDP collectives in step with the other ranks
-                batch = make_batch(trajectories[:1], self.pad_id, self.eos_id, self.packed)
+                batch = make_batch(trajectories[:1], self.pad_id, self.eos_id, packed)
                 batch = batch.to(device)
                 for _ in range(extra):
                     policy_stats(self.model, batch, self.dtype)
         for part in parts:
             chunk = [stale[i] for i in part]
-            batch = make_batch(chunk, self.pad_id, self.eos_id, self.packed).to(device)
+            batch = make_batch(chunk, self.pad_id, self.eos_id, packed).to(device)
             stats = policy_stats(self.model, batch, self.dtype)
             for t, slp, v1 in zip(chunk, stats.slp.tolist(), stats.v1.tolist(), strict=True):
                 t.ref_logprob_sum = slp

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from buffer.records import Trajectory
-from learner.batches import micro_batches
+from learner.batches import AUTO_PACK_BELOW, layout
 from learner.losses import LossOutput, grpo_advantages, grpo_loss, value_loss
 from learner.reference import ReferencePolicy
 from learner.sequence import make_batch, policy_stats, resolve_packing, use_varlen_attention
@@ -67,7 +67,10 @@ class Learner:
     """``model.dtype``: the forward and backward run in it (``compute_context``); the
     parameters and AdamW's state stay in their own dtype (fp32 masters)."""
     packed: bool = field(init=False)
-    """Whether micro-batches are packed (``learner.packing`` resolved against the model)."""
+    """Whether micro-batches may be packed (``learner.packing`` resolved against the model)."""
+    auto_pack: float | None = field(init=False)
+    """``learner.packing = "auto"``: each share packed only when its padded micro-batches
+    would compute less than this share of useful tokens (``batches.AUTO_PACK_BELOW``)."""
     reference: ReferencePolicy = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
     old_logp: dict[str, np.ndarray] = field(init=False, default_factory=dict)
@@ -77,6 +80,9 @@ class Learner:
     def __post_init__(self) -> None:
         self.model.train()
         self.packed = resolve_packing(self.learner_cfg.packing, self.model)
+        auto = self.learner_cfg.packing == "auto"
+        below = AUTO_PACK_BELOW["cuda" if self.device.type == "cuda" else "cpu"]
+        self.auto_pack = below if auto else None
         if self.packed:
             use_varlen_attention(self.model)
         sync = None
@@ -96,6 +102,7 @@ class Learner:
             max_tokens=self.learner_cfg.max_tokens_per_micro_batch,
             dtype=self.compute_dtype,
             packed=self.packed,
+            auto_pack=self.auto_pack,
         )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -103,6 +110,13 @@ class Learner:
             betas=self.learner_cfg.adam_betas,
             weight_decay=self.learner_cfg.weight_decay,
         )
+
+    def _layout(self, trajectories: Sequence[Trajectory]) -> tuple[bool, list[list[int]]]:
+        """(packed, micro-batches) of a share (``batches.layout``)."""
+        sizes = [(t.prompt_ids.size, t.response_ids.size) for t in trajectories]
+        cfg = self.learner_cfg
+        return layout(sizes, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.packed,
+                      self.auto_pack)  # fmt: skip
 
     @property
     def uses_reference(self) -> bool:
@@ -121,15 +135,10 @@ class Learner:
         it (one update per batch, the service) the old log-probs are the update's own (ratio 1)
         and the off-policy part is the TIS weight's. Replaces the previous round's record."""
         self.old_logp = {}
-        parts = micro_batches(
-            [(t.prompt_ids.size, t.response_ids.size) for t in trajectories],
-            self.learner_cfg.micro_batch_size,
-            self.learner_cfg.max_tokens_per_micro_batch,
-            self.packed,
-        )
+        packed, parts = self._layout(trajectories)
         for part in parts:
             chunk = [trajectories[i] for i in part]
-            batch = make_batch(chunk, self.pad_id, self.eos_id, self.packed).to(self.device)
+            batch = make_batch(chunk, self.pad_id, self.eos_id, packed).to(self.device)
             logp = policy_stats(self.model, batch, self.compute_dtype).logp.float().cpu()
             for i, t in enumerate(chunk):
                 self.old_logp[t.traj_id] = logp[i, : t.response_ids.size].numpy().copy()
@@ -205,14 +214,9 @@ class Learner:
             self.reference.fill(trajectories, self.device)
         self.optimizer.zero_grad(set_to_none=True)
         bsz = len(trajectories)
-        parts = micro_batches(
-            [(t.prompt_ids.size, t.response_ids.size) for t in trajectories],
-            self.learner_cfg.micro_batch_size,
-            self.learner_cfg.max_tokens_per_micro_batch,
-            self.packed,
-        )
+        packed, parts = self._layout(trajectories)
         chunks = [[trajectories[i] for i in part] for part in parts]
-        batches = [make_batch(c, self.pad_id, self.eos_id, self.packed) for c in chunks]
+        batches = [make_batch(c, self.pad_id, self.eos_id, packed) for c in chunks]
         advantages = None
         denom: float = float(bsz)
         if self.algo.name == "grpo":

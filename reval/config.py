@@ -292,9 +292,11 @@ class LearnerConfig(_Section):
     """Packed micro-batches: each micro-batch's trajectories concatenated into one row with no
     padding, attention kept inside each sequence by its ``position_ids`` (transformers' packed
     path: sdpa/eager/flex document masks, flash-attention varlen), the same losses and gradients
-    as padded ones on fewer tokens (``learner/sequence.py`` ``pack``). ``auto``: packed when the
+    as padded ones on fewer tokens (``learner/sequence.py`` ``pack``). ``auto``: when the
     model's attention implementation is one transformers packs (``PACKED_ATTENTION``: sdpa,
-    eager, flex, flash), padded otherwise; true or false forces it."""
+    eager, flex, flash), each share is packed when padding would waste tokens: any on a GPU,
+    over a quarter on the CPU, where a packed row's attention runs sequence by sequence
+    (``learner/batches.py`` ``AUTO_PACK_BELOW``); padded otherwise. True or false forces it."""
     lr: float = Field(1e-6, gt=0)
     """AdamW learning rate (the paper: 1e-6)."""
     weight_decay: float = Field(0.0, ge=0)

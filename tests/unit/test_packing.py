@@ -296,3 +296,23 @@ def test_resolve_packing():
     eager = tiny(attn="eager")
     use_varlen_attention(eager)  # only sdpa is replaced
     assert eager.config._attn_implementation == "eager"
+
+
+def test_auto_packs_a_share_only_when_padding_wastes_enough():
+    """``learner.packing = "auto"``: equal lengths stay padded (nothing to save); RL-like
+    lengths are packed; the threshold is the device's (any padding on a GPU)."""
+    from learner.batches import AUTO_PACK_BELOW, layout
+
+    equal = [(32, 224)] * 16
+    assert layout(equal, 8, None, True, AUTO_PACK_BELOW["cpu"])[0] is False
+    assert layout(equal, 8, None, True, AUTO_PACK_BELOW["cuda"])[0] is False
+    rng = np.random.default_rng(0)
+    responses = np.minimum(rng.lognormal(4, 0.8, 64), 512).astype(int) + 1
+    rl = [(int(p), int(r)) for p, r in zip(rng.integers(4, 32, 64), responses, strict=True)]
+    packed, parts = layout(rl, 8, None, True, AUTO_PACK_BELOW["cpu"])
+    assert packed and sorted(i for p in parts for i in p) == list(range(64))
+    slight = [(8, 8)] * 7 + [(8, 9)]  # 1 token of padding in 128: kept padded on the CPU...
+    assert layout(slight, 8, None, True, AUTO_PACK_BELOW["cpu"])[0] is False
+    assert layout(slight, 8, None, True, AUTO_PACK_BELOW["cuda"])[0] is True  # ...not on a GPU
+    assert layout(rl, 8, None, False, AUTO_PACK_BELOW["cpu"])[0] is False  # cannot pack
+    assert layout(equal, 8, None, True, None)[0] is True  # packing = true
