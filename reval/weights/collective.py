@@ -288,8 +288,12 @@ class BroadcastHub:
                 self.pool.put(buf)
             return
         try:
-            if data.device != self.device:
-                data = data.to(self.device, non_blocking=True)
+            if data.device != self.device:  # (a GPU learner's gloo hub) staged in a reused
+                staged = self.pool.get(int(data.numel()), self.device)  # buffer, not in fresh
+                staged[: data.numel()].copy_(data)  # memory (a page fault per page); the copy
+                if buf is not None:  # is synchronous: the device buffer is free again
+                    self.pool.put(buf)
+                buf, data = staged, staged[: data.numel()]
             s.in_flight.append((buf, self.pg.broadcast(data, 0), data))
             while len(s.in_flight) > IN_FLIGHT:
                 self._retire(s)
