@@ -149,6 +149,7 @@ def own_signals():
         signal.signal(s, h)
 
 
+@pytest.mark.slow  # (~70 s: two learner starts of two ranks; the limit itself is tested above)
 def test_a_two_rank_learner_quarantines_a_record_longer_than_the_context(
     tmp_path, redis_url, redis_prefix, own_signals, capfd
 ):
