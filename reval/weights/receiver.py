@@ -188,8 +188,8 @@ class WeightSubscriber:
             return None  # the lineage's first file is being written (or failed)
         # Within a lineage only a newer file; a new lineage (a resumed learner) from its first
         # file on, even a lower version: the weights it trains on are those.
-        same = not force and ann.lineage == self.lineage and self.version is not None
-        if same and ann.file_version <= (self.version or 0):
+        same = not force and ann.lineage == self.lineage
+        if same and self.version is not None and ann.file_version <= self.version:
             return None
         if not receiver.load_file(ann.path, ann.file_version):
             # Pruned by the learner, or cut short on a shared volume: the next announcement
