@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import socket
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from reval.config import RunConfig
 from reval.weights.collective import apply_nccl_env
+
+log = logging.getLogger("reval.learner")
 
 
 def rank_device(env: Mapping[str, str], cuda_count: int, want: str = "auto") -> torch.device:
@@ -159,6 +162,7 @@ def build_models(cfg: RunConfig, device: torch.device) -> tuple[Any, nn.Module, 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
+    from learner.memory import apply_plan
     from reval.policy import compute_dtype, enable_checkpointing, load_policy
 
     rank = dist.get_rank()
@@ -172,12 +176,14 @@ def build_models(cfg: RunConfig, device: torch.device) -> tuple[Any, nn.Module, 
         model = policy.model
         full = {k: v.clone() for k, v in model.state_dict().items()}
         buffers = {k: v.clone() for k, v in model.named_buffers()}
-        box = [(policy.tokenizer, model.config)]
+        plan = apply_plan(cfg, model, device, dist.get_world_size())
+        log.info(plan.describe())
+        box = [(policy.tokenizer, model.config, plan.checkpointing)]
     dist.broadcast_object_list(box, src=0)
-    tokenizer, config = box[0]
+    tokenizer, config, checkpointing = box[0]  # rank 0's plan: every rank the same
     if rank != 0:
         model = _meta_copy(config, torch.float32)
-        if cfg.model.gradient_checkpointing:
+        if checkpointing:
             enable_checkpointing(model)  # type: ignore[arg-type]
     reference = _meta_copy(config, dtype)
     shard(model, mesh, dtype)

@@ -136,8 +136,11 @@ class ModelConfig(_Section):
     """Learning rate of that pretraining."""
     pretrain_batch_size: int = Field(64, ge=1)
     """Sequences per pretraining step."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory (large models)."""
+    gradient_checkpointing: Literal["auto"] | bool = "auto"
+    """Recompute activations in the backward pass to save memory (about a fifth of an update's
+    time). ``auto``: on only when the learner's state and one micro-batch's activations would
+    not fit in 85% of the device's memory without it (``learner/memory.py`` has the rule and
+    the figures it was checked against); true or false forces it."""
 
 
 class TaskConfig(_Section):

@@ -255,7 +255,7 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> Policy:
             ) from err
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing is True:  # "auto": the learner decides (learner/memory.py)
         enable_checkpointing(model)
     model.to(device)
     return Policy(model=model, tokenizer=tokenizer, device=device)

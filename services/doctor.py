@@ -3,8 +3,9 @@
 It checks what a long GPU run otherwise finds out hours in: CUDA and NCCL, that the node has the
 GPUs the config reserves, shared memory for NCCL and vLLM, that the ports the run binds are free,
 that the replay service's Redis answers, the vLLM release (the adapter's own gate,
-``rollout.vllm_engine.check_vllm_version``) and free disk for checkpoints. Every failing check
-says what to change; the exit status is 1 when any check failed.
+``rollout.vllm_engine.check_vllm_version``), that a GPU run has a token budget (a warning: it
+runs without one, padded) and free disk for checkpoints. Every failing or warning check says what
+to change; the exit status is 1 when any check failed.
 
 The checks are pure functions of :class:`Facts` (what the node has), which :func:`gather` reads
 from the machine; tests hand them made-up facts.
@@ -44,7 +45,8 @@ UNKNOWN_CHECKPOINT_BYTES = 100 << 30
 """Checkpoint size assumed when the model's weights are not on this disk to measure and its
 name does not say its size."""
 
-Status = Literal["ok", "fail", "skip"]
+Status = Literal["ok", "warn", "fail", "skip"]
+"""``warn``: the run works but wastes the node (it does not fail the doctor)."""
 
 
 @dataclass
@@ -247,6 +249,25 @@ def check_vllm(cfg: RunConfig, f: Facts) -> Check:
     return Check("vllm", "ok", f"vLLM {f.vllm_version}")
 
 
+def check_token_budget(cfg: RunConfig, f: Facts) -> Check:
+    """A GPU run without a token budget pads every micro-batch to its longest answer: on RL
+    lengths (answers log-normal around 2k tokens, up to 8k) that computes 2.2x the useful tokens
+    (``benchmarks/learner_gpu_bench.py``; docs/learner.md "Packed sequences")."""
+    if not needs_gpu(cfg):
+        return Check("tokens", "skip", "a CPU run: padding costs little at its lengths")
+    budget = cfg.learner.max_tokens_per_micro_batch
+    if budget is None:
+        return Check(
+            "tokens",
+            "warn",
+            f"learner.max_tokens_per_micro_batch is unset: micro-batches of "
+            f"{cfg.learner.micro_batch_size} are padded to their longest answer (about 2.2x the "
+            "useful tokens on RL lengths); set it, e.g. 16384 as the GPU presets do, and "
+            "micro-batches are packed to it",
+        )
+    return Check("tokens", "ok", f"{budget} tokens per micro-batch, packing={cfg.learner.packing}")
+
+
 def check_disk(cfg: RunConfig, f: Facts) -> Check:
     need = CHECKPOINTS_KEPT * checkpoint_bytes(cfg)
     if f.disk_free_bytes < need:
@@ -339,6 +360,7 @@ def run_checks(cfg: RunConfig, facts: Facts, redis_err: str | None) -> list[Chec
         check_ports(cfg, facts),
         check_redis(cfg, redis_err),
         check_vllm(cfg, facts),
+        check_token_budget(cfg, facts),
         check_disk(cfg, facts),
     ]
 
@@ -365,6 +387,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(f"{c.status:<4}  {c.name:<5}  {c.message}")
     failed = [c.name for c in checks if c.status == "fail"]
+    warned = [c.name for c in checks if c.status == "warn"]
     if not args.json:
-        print(f"{len(failed)} failed: {', '.join(failed)}" if failed else "all checks passed")
+        said = f"{len(failed)} failed: {', '.join(failed)}" if failed else "all checks passed"
+        print(said + (f" ({len(warned)} warned: {', '.join(warned)})" if warned else ""))
     return 1 if failed else 0

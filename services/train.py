@@ -25,6 +25,7 @@ from buffer import BufferMetrics, SampleTimeout, make_buffer
 from learner.batches import BatchSource
 from learner.checkpoint import save_checkpoint
 from learner.export import export_hf
+from learner.memory import apply_plan
 from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
 from reval.config import RunConfig, dump_config
@@ -82,6 +83,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     ValueError), before anything is written to the run directory."""
     metrics = TrainMetrics()
     policy, task, info = build_policy_and_task(cfg, metrics.registry)
+    log.info(apply_plan(cfg, policy.model, policy.device).describe())
     eval_prompts = _eval_prompts(task, cfg, policy.tokenizer)
     return Prepared(metrics, policy, task, info, eval_prompts)
 

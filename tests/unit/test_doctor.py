@@ -47,8 +47,15 @@ def test_a_good_gpu_node_passes_every_check():
     got = statuses(gpu_cfg("buffer.backend=redis"), node())
     assert {n: c.status for n, c in got.items()} == {
         "cuda": "ok", "nccl": "ok", "gpus": "ok", "shm": "ok", "ports": "skip", "redis": "ok",
-        "vllm": "ok", "disk": "ok",
+        "vllm": "ok", "tokens": "ok", "disk": "ok",
     }  # fmt: skip
+
+
+def test_a_gpu_config_without_a_token_budget_is_warned_and_still_passes(capsys):
+    check = doctor.check_token_budget(gpu_cfg("learner.max_tokens_per_micro_batch=null"), node())
+    assert check.status == "warn" and "learner.max_tokens_per_micro_batch" in check.message
+    assert doctor.check_token_budget(gpu_cfg(), node()).status == "ok"  # the preset sets one
+    assert doctor.check_token_budget(cpu_cfg(), node()).status == "skip"
 
 
 def test_no_cuda_fails_the_gpu_checks_of_a_gpu_config_and_skips_them_for_a_cpu_one():
