@@ -123,3 +123,16 @@ venv-peers: $(PEERS_STAMP)
 # run), in the peers venv.
 test-peers: $(PEERS_STAMP)
 	$(PEERS_BIN)/python -m pytest -q -m peers tests/peers
+
+# The Docker lane (tests/docker, marked `docker`; docs/operations.md, "The CPU stack"): starts a
+# Docker engine when none answers and stops the one it started (putting back the iptables rules
+# dockerd changed), builds the images without a registry (scripts/make_images.sh, cached between
+# runs) and runs docker-compose.cpu.yml through the stack test. Needs root; installs Debian's
+# docker.io, docker-compose and debootstrap when they are missing.
+DOCKER_STATE ?= /tmp/reval-docker-engine
+.PHONY: test-docker
+test-docker: $(STAMP)
+	scripts/docker_engine.sh start $(DOCKER_STATE)
+	status=0; scripts/make_images.sh && \
+	  $(BIN)/python -m pytest -q -m docker tests/docker || status=$$?; \
+	  scripts/docker_engine.sh stop $(DOCKER_STATE); exit $$status

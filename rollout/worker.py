@@ -30,13 +30,14 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from buffer import make_producer
 from buffer.metrics import BufferMetrics
-from buffer.redis_ring import RedisRing
 from reval import registry
 from reval.config import RunConfig
 from reval.control import RunControl
 from reval.metrics import PREFIX
 from reval.policy import compute_dtype, load_policy, model_source
+from reval.redis import connect
 from reval.weights.receiver import build_subscriber
 from rollout.collect import collect_round
 from rollout.dealer import PromptDealer
@@ -180,23 +181,14 @@ class RolloutWorker:
         b = cfg.buffer
         if b.backend != "redis":
             raise ValueError("a rollout worker needs buffer.backend=redis (the replay service)")
-        self.client = client or redis.Redis.from_url(
-            b.redis_url, socket_timeout=30, socket_connect_timeout=2, health_check_interval=15
-        )
+        self.client = client or connect(b.redis_url)
         self.stop = threading.Event()
         self.stats = WorkerStats()
         self.engine, self.tokenizer = build_engine(cfg, cfg.seed, self.worker_id)
         self.task: Task = build_task(
             cfg.task, cfg.seed, self.tokenizer, cfg.rollout, self.metrics.registry
         )
-        self.ring = RedisRing(
-            cfg.name,
-            b.capacity,
-            url=b.redis_url,
-            key_prefix=b.key_prefix,
-            metrics=BufferMetrics(self.metrics.registry),
-            spool_max_bytes=int(b.spool_max_mb * (1 << 20)),
-        )
+        self.ring = make_producer(b, cfg.name, metrics=BufferMetrics(self.metrics.registry))
         self.dealer = PromptDealer(
             self.client, b.key_prefix, cfg.name, list(self.task.prompts), seed=cfg.seed
         )

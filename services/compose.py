@@ -10,6 +10,14 @@ docker-compose.yml is this generator's output for :data:`DEFAULT_LAYOUT`
 (``tests/unit/test_compose_gen.py`` holds them equal); a node with other GPUs writes its own:
 ``reval compose --gpus 8 --learner-gpus 4 --out docker-compose.gpu8.yml`` (at the repository
 root: the file's paths are relative to it).
+
+``reval compose --cpu`` writes the CPU stack (docker-compose.cpu.yml: Redis, the API, a learner
+on the CPU, ``--workers`` HF rollout workers, Prometheus; no Grafana) from the same pieces: the
+same commands, environment, volumes, health checks, restart policy and network as the GPU
+file, which only adds the GPU reservations, ``shm_size``, the datasets' mount and the GPU
+preset. tests/docker/test_stack.py runs the CPU file under Docker.
+The images (and the host ports) are variables with the official images as defaults, so that the
+registry-free stand-ins of scripts/make_images.sh can take their place.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from typing import Any
 
 import yaml
 
-CONFIG = "/app/configs/${REVAL_CONFIG:-r1_distill_qwen_1p5b.toml}"
+GPU_PRESET = "r1_distill_qwen_1p5b.toml"
+CPU_PRESET = "demo.toml"
 # NCCL (the learner's ranks, the weight broadcast) and vLLM's worker processes share memory
 # through /dev/shm; Docker's default of 64 MB fails their first large collective.
 SHM_SIZE = "16gb"
@@ -74,6 +83,24 @@ class Layout:
         return line + (f" --eval-gpus {self.eval_gpus}" if self.eval_gpus else "")
 
 
+@dataclass(frozen=True)
+class CpuLayout:
+    """The CPU stack: the learner (one rank) and ``workers`` HF rollout workers on the CPU."""
+
+    workers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers {self.workers}: the CPU stack needs >= 1 rollout worker")
+
+    def command(self) -> str:
+        """The ``reval compose`` line that writes this layout."""
+        return f"reval compose --cpu --workers {self.workers}"
+
+
+# The checked-in docker-compose.cpu.yml.
+CPU_LAYOUT = CpuLayout(workers=2)
+
 # The checked-in docker-compose.yml: the learner on GPU 0, one rollout worker on GPU 1, the
 # evaluation (profile eval) on GPU 2.
 DEFAULT_LAYOUT = Layout(gpus=3, learner_gpus=1, eval_gpus=1)
@@ -81,6 +108,20 @@ DEFAULT_LAYOUT = Layout(gpus=3, learner_gpus=1, eval_gpus=1)
 REDIS_URL = "redis://:${REDIS_PASSWORD}@redis:6379/0"
 """Every service's Redis, with the password Redis requires (deploy/redis.conf: protected mode;
 the password is given to redis-server with --requirepass)."""
+
+# The images: the official ones by default; scripts/make_images.sh's stand-ins through these.
+REDIS_IMAGE = "${REVAL_REDIS_IMAGE:-redis:7.2}"
+PROMETHEUS_IMAGE = "${REVAL_PROMETHEUS_IMAGE:-prom/prometheus:v2.53.0}"
+GRAFANA_IMAGE = "${REVAL_GRAFANA_IMAGE:-grafana/grafana:11.1.0}"
+CPU_BUILD = {
+    "context": ".",
+    "dockerfile": "deploy/docker/Dockerfile.cpu",
+    "args": {"BASE_IMAGE": "${REVAL_BASE_IMAGE:-python:3.11-slim}"},
+}
+GPU_BUILD = {"context": ".", "dockerfile": "deploy/docker/Dockerfile.gpu"}
+# A container that dies is started again (the learner resumes from its latest checkpoint); one
+# that `docker compose stop` stopped, or that exited cleanly after `reval runs stop`, stays down.
+RESTART = "on-failure"
 
 REVAL_ENV = {
     "REVAL__BUFFER__BACKEND": "redis",
@@ -95,6 +136,7 @@ REVAL_ENV = {
 # The run directories (checkpoints, weights files, hf cache) and local datasets, read-only
 # (docs/reproduce-paper.md).
 GPU_VOLUMES = ["runs:/runs", "./data:/data:ro"]
+CPU_VOLUMES = ["runs:/runs"]
 REDIS_HEALTHY = {"redis": {"condition": "service_healthy"}}
 
 
@@ -123,38 +165,79 @@ def _health(
     return out
 
 
+def _port(var: str, port: int) -> str:
+    """A port published on loopback only, ``var`` choosing the host's side."""
+    return f"127.0.0.1:${{{var}:-{port}}}:{port}"
+
+
 def _http_health(port: int) -> list[str]:
     url = f"http://127.0.0.1:{port}"
     probe = f"import urllib.request; urllib.request.urlopen('{url}/healthz', timeout=3)"
     return ["CMD", "python", "-c", probe]
 
 
-def _rollout(gpu: int) -> dict[str, Any]:
-    return {
-        "image": "reval:gpu",
+def _config(layout: Layout | CpuLayout) -> str:
+    preset = CPU_PRESET if isinstance(layout, CpuLayout) else GPU_PRESET
+    return f"/app/configs/${{REVAL_CONFIG:-{preset}}}"
+
+
+def _on_node(
+    service: dict[str, Any], layout: Layout | CpuLayout, gpus: list[int]
+) -> dict[str, Any]:
+    """``service`` (a learner, worker or evaluation) with what its node adds: on a GPU node its
+    GPUs, /dev/shm and the datasets; on the CPU, nothing."""
+    if isinstance(layout, CpuLayout):
+        return {**service, "volumes": list(CPU_VOLUMES)}
+    return {**service, "shm_size": SHM_SIZE, "volumes": list(GPU_VOLUMES), "deploy": _gpus(gpus)}
+
+
+def _rollout(layout: Layout | CpuLayout, gpu: int) -> dict[str, Any]:
+    service = {
+        "image": "reval:cpu" if isinstance(layout, CpuLayout) else "reval:gpu",
         "command": [
             "reval",
             "rollout",
             "--config",
-            CONFIG,
+            _config(layout),
             "--metrics-port",
             str(ROLLOUT_METRICS_PORT),
         ],
         "environment": dict(REVAL_ENV),
-        "shm_size": SHM_SIZE,
-        "volumes": list(GPU_VOLUMES),
+        "restart": RESTART,
         "networks": {"default": {"aliases": [ROLLOUT_ALIAS]}},
         "depends_on": {**REDIS_HEALTHY, "learner": {"condition": "service_started"}},
         "healthcheck": _health(_http_health(ROLLOUT_METRICS_PORT), "15s", "5s", 20, "600s"),
-        "deploy": _gpus([gpu]),
     }
+    return _on_node(service, layout, [gpu])
 
 
-def compose_dict(layout: Layout) -> dict[str, Any]:
-    """The compose file of ``layout`` as data."""
-    services: dict[str, Any] = {
+def _core(layout: Layout | CpuLayout) -> dict[str, Any]:
+    """Redis, the API and the learner: the services every stack has."""
+    cpu = isinstance(layout, CpuLayout)
+    learner = {
+        "image": "reval:cpu" if cpu else "reval:gpu",
+        "build": CPU_BUILD if cpu else GPU_BUILD,
+        "command": [
+            "reval",
+            "learner",
+            "--config",
+            _config(layout),
+            "--resume-if-any",
+            "--set",
+            f"metrics.prometheus_port={LEARNER_METRICS_PORT}",
+        ],
+        "environment": {
+            **REVAL_ENV,
+            "REVAL__LEARNER__WORLD_SIZE": "1" if cpu else str(layout.learner_gpus),
+            "REVAL__SYNC__BROADCAST_HOST": "auto",
+        },
+        "restart": RESTART,
+        "depends_on": dict(REDIS_HEALTHY),
+        "healthcheck": _health(_http_health(LEARNER_METRICS_PORT), "15s", "5s", 20, "600s"),
+    }
+    return {
         "redis": {
-            "image": "redis:7.2",
+            "image": REDIS_IMAGE,
             "command": [
                 "redis-server",
                 "/usr/local/etc/redis/redis.conf",
@@ -166,12 +249,13 @@ def compose_dict(layout: Layout) -> dict[str, Any]:
                 "./deploy/redis.conf:/usr/local/etc/redis/redis.conf:ro",
                 "redis-data:/data",
             ],
-            "ports": ["127.0.0.1:6379:6379"],
+            "ports": [_port("REVAL_REDIS_PORT", 6379)],
+            "restart": RESTART,
             "healthcheck": _health(["CMD", "redis-cli", "ping"], "5s", "3s", 10),
         },
         "api": {
             "image": "reval:cpu",
-            "build": {"context": ".", "dockerfile": "deploy/docker/Dockerfile.cpu"},
+            "build": CPU_BUILD,
             "command": [
                 "reval",
                 "serve",
@@ -189,8 +273,9 @@ def compose_dict(layout: Layout) -> dict[str, Any]:
                 "characters}",
                 "RAY_ADDRESS": "${REVAL_RAY_ADDRESS:-}",
             },
-            "ports": ["127.0.0.1:8080:8080"],
+            "ports": [_port("REVAL_API_PORT", 8080)],
             "volumes": ["runs:/runs"],
+            "restart": RESTART,
             "depends_on": dict(REDIS_HEALTHY),
             "healthcheck": _health(
                 [
@@ -206,43 +291,24 @@ def compose_dict(layout: Layout) -> dict[str, Any]:
             ),
         },
         # --resume-if-any: a restarted container continues from the run's latest checkpoint.
-        "learner": {
-            "image": "reval:gpu",
-            "build": {"context": ".", "dockerfile": "deploy/docker/Dockerfile.gpu"},
-            "command": [
-                "reval",
-                "learner",
-                "--config",
-                CONFIG,
-                "--resume-if-any",
-                "--set",
-                f"metrics.prometheus_port={LEARNER_METRICS_PORT}",
-            ],
-            "environment": {
-                **REVAL_ENV,
-                "REVAL__LEARNER__WORLD_SIZE": str(layout.learner_gpus),
-                "REVAL__SYNC__BROADCAST_HOST": "auto",
-            },
-            "shm_size": SHM_SIZE,
-            "volumes": list(GPU_VOLUMES),
-            "depends_on": dict(REDIS_HEALTHY),
-            "healthcheck": _health(_http_health(LEARNER_METRICS_PORT), "15s", "5s", 20, "600s"),
-            "deploy": _gpus(layout.learner_ids()),
-        },
+        "learner": _on_node(learner, layout, [] if cpu else layout.learner_ids()),
     }
-    for i, gpu in enumerate(layout.rollout_ids()):
-        services[f"rollout-{i}"] = _rollout(gpu)
+
+
+def _gpu_only(layout: Layout) -> dict[str, Any]:
+    """The evaluation (profile ``eval``) and the Ray head (profile ``ray``) of a GPU node."""
+    services: dict[str, Any] = {}
     if layout.eval_gpus:
         # The paper's evaluation while it trains: avg@16 on its seven benchmarks every 10 steps
         # (docker compose --profile eval up -d eval); benchmark files in ./data/benchmarks.
-        services["eval"] = {
+        evaluation = {
             "profiles": ["eval"],
             "image": "reval:gpu",
             "command": [
                 "reval",
                 "eval",
                 "--config",
-                CONFIG,
+                _config(layout),
                 "--follow",
                 "--every",
                 "10",
@@ -254,11 +320,10 @@ def compose_dict(layout: Layout) -> dict[str, Any]:
                 str(EVAL_METRICS_PORT),
             ],
             "environment": dict(REVAL_ENV),
-            "shm_size": SHM_SIZE,
-            "volumes": list(GPU_VOLUMES),
+            "restart": RESTART,
             "depends_on": {**REDIS_HEALTHY, "learner": {"condition": "service_started"}},
-            "deploy": _gpus(layout.eval_ids()),
         }
+        services["eval"] = _on_node(evaluation, layout, layout.eval_ids())
     # The Ray head for runs created over REST (`reval runs create` -> `reval launch` on it),
     # instead of the learner and rollout services: all the node's GPUs.
     services["ray-head"] = {
@@ -281,20 +346,15 @@ def compose_dict(layout: Layout) -> dict[str, Any]:
         ),
         "deploy": _gpus(None),
     }
-    services["prometheus"] = {
-        "image": "prom/prometheus:v2.53.0",
-        "command": [
-            "--config.file=/etc/prometheus/prometheus.yml",
-            "--storage.tsdb.path=/prometheus",
-        ],
-        "volumes": ["./deploy/prometheus:/etc/prometheus:ro", "prometheus-data:/prometheus"],
-        "ports": ["127.0.0.1:9090:9090"],
-        "healthcheck": _health(
-            ["CMD", "wget", "-qO-", "http://127.0.0.1:9090/-/ready"], "10s", "5s", 10
-        ),
-    }
-    services["grafana"] = {
-        "image": "grafana/grafana:11.1.0",
+    return services
+
+
+def _monitoring(layout: Layout | CpuLayout) -> dict[str, Any]:
+    """Prometheus, and Grafana on a GPU node (the CPU stack has none: Debian has no Grafana
+    package for scripts/make_images.sh to stand in for its image, and its required admin
+    password would be one more secret for the one command)."""
+    grafana = {
+        "image": GRAFANA_IMAGE,
         "environment": {
             "GF_SECURITY_ADMIN_PASSWORD": "${GRAFANA_ADMIN_PASSWORD:?set GRAFANA_ADMIN_PASSWORD}",
             "GF_AUTH_ANONYMOUS_ENABLED": "false",
@@ -303,9 +363,39 @@ def compose_dict(layout: Layout) -> dict[str, Any]:
             "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro",
             "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro",
         ],
-        "ports": ["127.0.0.1:3000:3000"],
+        "ports": [_port("REVAL_GRAFANA_PORT", 3000)],
+        "restart": RESTART,
         "depends_on": {"prometheus": {"condition": "service_healthy"}},
     }
+    prometheus = {
+        "image": PROMETHEUS_IMAGE,
+        "command": [
+            "--config.file=/etc/prometheus/prometheus.yml",
+            "--storage.tsdb.path=/prometheus",
+        ],
+        "volumes": ["./deploy/prometheus:/etc/prometheus:ro", "prometheus-data:/prometheus"],
+        "ports": [_port("REVAL_PROMETHEUS_PORT", 9090)],
+        "restart": RESTART,
+        "healthcheck": _health(
+            ["CMD", "wget", "-qO-", "http://127.0.0.1:9090/-/ready"], "10s", "5s", 10
+        ),
+    }
+    if isinstance(layout, CpuLayout):
+        return {"prometheus": prometheus}
+    return {"prometheus": prometheus, "grafana": grafana}
+
+
+def compose_dict(layout: Layout | CpuLayout) -> dict[str, Any]:
+    """The compose file of ``layout`` as data."""
+    services = _core(layout)
+    if isinstance(layout, CpuLayout):
+        for i in range(layout.workers):
+            services[f"rollout-{i}"] = _rollout(layout, -1)
+    else:
+        for i, gpu in enumerate(layout.rollout_ids()):
+            services[f"rollout-{i}"] = _rollout(layout, gpu)
+        services |= _gpu_only(layout)
+    services |= _monitoring(layout)
     return {
         "services": services,
         "volumes": {"redis-data": None, "runs": None, "prometheus-data": None},
@@ -332,12 +422,27 @@ _Dumper.add_representer(list, _list)
 _Dumper.add_representer(type(None), _none)
 
 
-def compose_text(layout: Layout) -> str:
-    """The compose file of ``layout``, with a header that says what it holds."""
+def _header(layout: Layout | CpuLayout) -> list[str]:
+    """What the file holds and how to start it."""
+    if isinstance(layout, CpuLayout):
+        return [
+            f"# Generated by `{layout.command()}`",
+            "# (services/compose.py): edit the generator, not this file. reval on the CPU, one",
+            '# command (docs/operations.md, "The CPU stack"):',
+            "#   export REVAL_API_TOKEN=$(openssl rand -hex 24) "
+            "REDIS_PASSWORD=$(openssl rand -hex 24)",
+            "#   docker compose -f docker-compose.cpu.yml up -d --build",
+            f"# redis, api, learner and rollout-0 .. rollout-{layout.workers - 1} (HF on the CPU)",
+            "# train configs/${REVAL_CONFIG:-demo.toml}; watch it with `reval runs get run` (the",
+            "# API on 127.0.0.1:8080) and Prometheus on 127.0.0.1:9090 (no Grafana here). Without",
+            "# a registry: scripts/make_images.sh, then the REVAL_*_IMAGE variables it prints.",
+            "# More workers: reval compose --cpu --workers N --out FILE, at the repository root.",
+            "# tests/docker/test_stack.py runs this file under Docker (make test-docker).",
+        ]
     learner = ",".join(map(str, layout.learner_ids()))
     rollout = ", ".join(f"rollout-{i} on {g}" for i, g in enumerate(layout.rollout_ids()))
     evals = ",".join(map(str, layout.eval_ids()))
-    header = [
+    return [
         f"# Generated by `{layout.command()}`",
         "# (services/compose.py): edit the generator, not this file. reval on one GPU node:",
         "#   export REVAL_API_TOKEN=$(openssl rand -hex 24) REDIS_PASSWORD=$(openssl rand -hex 24)",
@@ -353,8 +458,14 @@ def compose_text(layout: Layout) -> str:
         "# REVAL_RAY_ADDRESS=ray-head:6380. The API on 127.0.0.1:8080, Grafana on",
         "# 127.0.0.1:3000, Prometheus on 127.0.0.1:9090. With sync.broadcast on, the learner",
         "# announces its weight hub at its container's address (REVAL__SYNC__BROADCAST_HOST=auto).",
-        "# tests/e2e/test_compose.py starts these services' commands as local processes.",
+        "# Everything but the GPUs is what docker-compose.cpu.yml runs under Docker in",
+        "# tests/docker/test_stack.py; tests/e2e/test_compose.py starts the commands locally.",
     ]
+
+
+def compose_text(layout: Layout | CpuLayout) -> str:
+    """The compose file of ``layout``, with a header that says what it holds."""
+    header = _header(layout)
     body = yaml.dump(
         compose_dict(layout), Dumper=_Dumper, sort_keys=False, width=100, default_flow_style=False
     )
@@ -371,13 +482,13 @@ def compose_text(layout: Layout) -> str:
 def add_parser(sub: Any) -> None:
     c = sub.add_parser(
         "compose",
-        help="write the compose file for this node's GPUs (device_ids pinned per service)",
+        help="write the compose file for this node's GPUs (device_ids pinned per service), "
+        "or with --cpu the CPU stack's",
     )
-    c.add_argument("--gpus", type=int, required=True, help="GPUs on the node")
+    c.add_argument("--gpus", type=int, help="GPUs on the node")
     c.add_argument(
         "--learner-gpus",
         type=int,
-        required=True,
         help="GPUs of the learner (one FSDP2 rank each); the rest run one rollout worker each",
     )
     c.add_argument(
@@ -387,6 +498,17 @@ def add_parser(sub: Any) -> None:
         help="GPUs of the `eval` profile's service, the last ones (0: no eval service)",
     )
     c.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the CPU stack instead: everything on the CPU (docker-compose.cpu.yml)",
+    )
+    c.add_argument(
+        "--workers",
+        type=int,
+        default=CPU_LAYOUT.workers,
+        help=f"--cpu: HF rollout workers, one service each (default {CPU_LAYOUT.workers})",
+    )
+    c.add_argument(
         "--out",
         default="-",
         help="where to write it (default: stdout); at the "
@@ -394,9 +516,21 @@ def add_parser(sub: Any) -> None:
     )
 
 
+def _layout(args: argparse.Namespace) -> Layout | CpuLayout:
+    if args.cpu:
+        if args.gpus is not None or args.learner_gpus is not None or args.eval_gpus:
+            raise ValueError("--cpu takes --workers, not --gpus/--learner-gpus/--eval-gpus")
+        return CpuLayout(args.workers)
+    if args.gpus is None or args.learner_gpus is None:
+        raise ValueError("give --gpus and --learner-gpus (or --cpu for the CPU stack)")
+    if args.workers != CPU_LAYOUT.workers:
+        raise ValueError("--workers is for --cpu: on a GPU node each worker has its own GPU")
+    return Layout(args.gpus, args.learner_gpus, args.eval_gpus)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        layout = Layout(args.gpus, args.learner_gpus, args.eval_gpus)
+        layout = _layout(args)
     except ValueError as err:
         print(f"reval compose: {err}", file=sys.stderr)
         return 2

@@ -113,6 +113,32 @@ def test_compose_file_is_valid():
     schema_check(ROOT / "docker-compose.yml")
 
 
+def test_cpu_compose_file_is_valid_with_two_secrets():
+    """docker-compose.cpu.yml, the new user's one command: it resolves with the two secrets alone
+    (no Grafana password: the CPU stack has no Grafana), reserves no GPU, and its images are the
+    official ones unless the REVAL_*_IMAGE variables name scripts/make_images.sh's."""
+    path = ROOT / "docker-compose.cpu.yml"
+    schema_check(path)
+    two = {k: SECRETS[k] for k in ("REVAL_API_TOKEN", "REDIS_PASSWORD")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REVAL_", "GRAFANA_"))}
+    tool = shutil.which("docker-compose")
+    assert tool is not None
+    done = subprocess.run([tool, "-f", str(path), "config"], capture_output=True, text=True,
+                          env={**env, **two})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    assert set(services) == {"redis", "api", "learner", "rollout-0", "rollout-1", "prometheus"}
+    assert not [n for n, s in services.items() if "deploy" in s]
+    assert services["redis"]["image"] == "redis:7.2"
+    assert services["api"]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim"
+    local_images = compose_config(path, **two, REVAL_REDIS_IMAGE="reval-local/redis:7",
+                                  REVAL_API_PORT="18080")["services"]  # fmt: skip
+    assert local_images["redis"]["image"] == "reval-local/redis:7"
+    assert local_images["api"]["ports"] == ["127.0.0.1:18080:8080/tcp"]
+    for name in ("rollout-0", "rollout-1"):  # Prometheus scrapes the DNS name `rollout`
+        assert "rollout" in services[name]["networks"]["default"]["aliases"]
+
+
 def local(service: dict, tmp: Path, redis_url: str, prefix: str, ports: dict[int, int]):
     """The service's command and environment, pointed at this machine."""
 
