@@ -58,7 +58,8 @@ import redis
 from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
 from buffer.records import Trajectory, decode_many, encode_many
-from buffer.redis_ring import RedisRing, run_keys
+from buffer.redis_ring import RedisRing
+from reval.redis import ring_keys
 
 VOCAB = 151_936  # token ids drawn below this (a Qwen-sized vocabulary)
 MB = 1e6
@@ -239,7 +240,7 @@ class Rings:
         self.open: list[RedisRing] = []
 
     def make(self, run: str, capacity: int, background: bool = False) -> RedisRing:
-        self.client.delete(*run_keys(self.prefix, run).stored)  # left by an earlier process
+        self.client.delete(*ring_keys(self.prefix, run).stored)  # left by an earlier process
         ring = RedisRing(
             run,
             capacity,

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from buffer.base import (
     BufferStats,
     BufferUnavailable,
     ReplayBuffer,
+    ReplayConsumer,
+    ReplayProducer,
     SampledBatch,
     SampleTimeout,
 )
 from buffer.metrics import BufferMetrics
 from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory, decode, encode
 from buffer.ring import MemoryRing
+
+if TYPE_CHECKING:
+    from buffer.redis_producer import RedisProducer
 
 __all__ = [
     "BufferMetrics",
@@ -23,13 +28,33 @@ __all__ = [
     "RecordError",
     "RecordLimits",
     "ReplayBuffer",
+    "ReplayConsumer",
+    "ReplayProducer",
     "SampleTimeout",
     "SampledBatch",
     "Trajectory",
     "decode",
     "encode",
     "make_buffer",
+    "make_consumer",
+    "make_producer",
 ]
+
+
+def _settings(cfg: Any, samples_per_insert: float | None, limits: RecordLimits) -> dict[str, Any]:
+    """What both backends' consumers take from a ``BufferConfig``."""
+    spi = cfg.samples_per_insert if cfg.samples_per_insert is not None else samples_per_insert
+    return {
+        "samples_per_insert": spi,
+        "rate_slack": cfg.rate_slack,
+        "min_size_to_sample": cfg.min_size_to_sample,
+        "max_staleness": cfg.max_staleness,
+        "prioritized": cfg.prioritized,
+        "priority_alpha": cfg.priority_alpha,
+        "priority_beta": cfg.priority_beta,
+        "priority_eps": cfg.priority_eps,
+        "limits": limits,
+    }
 
 
 def make_buffer(
@@ -41,25 +66,14 @@ def make_buffer(
     samples_per_insert: float | None = None,
     limits: RecordLimits = NO_LIMITS,
 ) -> ReplayBuffer:
-    """The buffer a ``BufferConfig`` describes, for run ``run`` (``reset``: start it empty,
-    whatever a previous run of the same id left in Redis; ``samples_per_insert``: the run's K,
-    ``RunConfig.samples_per_insert``, when the section leaves it unset; ``limits``: what the
-    consumer does with a record, a record beyond them is quarantined)."""
-    spi = cfg.samples_per_insert if cfg.samples_per_insert is not None else samples_per_insert
-    common: dict[str, Any] = {
-        "samples_per_insert": spi,
-        "rate_slack": cfg.rate_slack,
-        "min_size_to_sample": cfg.min_size_to_sample,
-        "max_staleness": cfg.max_staleness,
-        "prioritized": cfg.prioritized,
-        "priority_alpha": cfg.priority_alpha,
-        "priority_beta": cfg.priority_beta,
-        "priority_eps": cfg.priority_eps,
-        "metrics": metrics,
-        "limits": limits,
-    }
+    """Both halves of the buffer a ``BufferConfig`` describes, for run ``run``, in one object
+    (a process that fills and drains its own ring: ``reval train``). ``reset``: start it
+    empty, whatever a previous run of the same id left in Redis; ``samples_per_insert``: the
+    run's K, ``RunConfig.samples_per_insert``, when the section leaves it unset; ``limits``:
+    what the consumer does with a record, a record beyond them is quarantined."""
+    common = _settings(cfg, samples_per_insert, limits)
     if cfg.backend == "memory":
-        return MemoryRing(cfg.capacity, seed=seed or 0, **common)
+        return MemoryRing(cfg.capacity, seed=seed or 0, metrics=metrics, **common)
     if cfg.backend == "redis":
         from buffer.redis_ring import RedisRing  # redis-py only where it is used
 
@@ -72,6 +86,44 @@ def make_buffer(
             spool_max_bytes=int(cfg.spool_max_mb * (1 << 20)),
             retry_s=cfg.sample_timeout_s,
             reset=reset,
+            metrics=metrics,
             **common,
         )
     raise ValueError(f"unknown buffer backend {cfg.backend!r}")
+
+
+def make_consumer(
+    cfg: Any,
+    run: str,
+    seed: int | None = 0,
+    metrics: BufferMetrics | None = None,
+    reset: bool = False,
+    samples_per_insert: float | None = None,
+    limits: RecordLimits = NO_LIMITS,
+) -> ReplayConsumer:
+    """The consumer half of the buffer a ``BufferConfig`` describes (the learner's), with the
+    arguments of ``make_buffer``. On Redis it holds no producer (no spool, no sender)."""
+    common = _settings(cfg, samples_per_insert, limits)
+    if cfg.backend == "redis":
+        from buffer.redis_consumer import RedisConsumer  # redis-py only where it is used
+        from buffer.redis_layout import RingLayout
+
+        layout = RingLayout(
+            run, cfg.capacity, url=cfg.redis_url, key_prefix=cfg.key_prefix,
+            retry_s=cfg.sample_timeout_s, metrics=metrics, reset=reset,
+        )  # fmt: skip
+        return RedisConsumer(layout, seed=seed, **common)
+    return make_buffer(cfg, run, seed, metrics, reset, samples_per_insert, limits)
+
+
+def make_producer(cfg: Any, run: str, metrics: BufferMetrics | None = None) -> RedisProducer:
+    """The producer half of the Redis ring a ``BufferConfig`` describes (a rollout worker's:
+    it inserts, spooling while Redis is away, and reads the counters)."""
+    if cfg.backend != "redis":
+        raise ValueError("a rollout worker needs buffer.backend=redis (the replay service)")
+    from buffer.redis_layout import RingLayout  # redis-py only where it is used
+    from buffer.redis_producer import RedisProducer
+
+    layout = RingLayout(run, cfg.capacity, url=cfg.redis_url, key_prefix=cfg.key_prefix,
+                        metrics=metrics)  # fmt: skip
+    return RedisProducer(layout, spool_max_bytes=int(cfg.spool_max_mb * (1 << 20)))

@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from buffer.records import Trajectory
+from buffer.records import RecordLimits, Trajectory
 
 
 class SampleTimeout(TimeoutError):
@@ -96,19 +96,36 @@ class SampledBatch:
 
 
 @runtime_checkable
-class ReplayBuffer(Protocol):
-    """A FIFO ring of capacity M with sampling without replacement within a batch."""
-
-    @property
-    def capacity(self) -> int: ...
-
-    def __len__(self) -> int: ...
+class ReplayProducer(Protocol):
+    """The half of a ring a rollout worker needs: it inserts records and reads the counters
+    (to pace itself)."""
 
     def insert(self, trajectories: Sequence[Trajectory]) -> int:
         """Append in order, evicting the oldest beyond capacity; returns how many were evicted.
         Validates every record first: one bad record raises RecordError and nothing is written.
         Never waits for the learner."""
         ...
+
+    def stats(self) -> BufferStats: ...
+
+
+@runtime_checkable
+class ReplayConsumer(Protocol):
+    """The half of a ring the learner needs: a FIFO ring of capacity M it samples (without
+    replacement within a batch) and takes fresh batches from, writes back to, and tunes."""
+
+    samples_per_insert: float | None
+    """K of the rate limiter (None: no limiter); the learner changes it live."""
+    max_staleness: int | None
+    """Oldest policy lag handed out (None: any); the learner changes it live."""
+    limits: RecordLimits
+    """What the consumer does with a record: one beyond them is never handed out (the learner
+    narrows them to its model, e.g. the context length, before it samples)."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    def __len__(self) -> int: ...
 
     def sample(self, batch_size: int, timeout: float = 0.0) -> SampledBatch:
         """``batch_size`` distinct trajectories (use counts up by one). Waits up to ``timeout``
@@ -147,6 +164,12 @@ class ReplayBuffer(Protocol):
         returns how many were found."""
         ...
 
+    def quarantine(self, traj_ids: Sequence[str], reason: str) -> int:
+        """Empty held records by id (a batch the learner could not update on, whatever the
+        checks let through): never handed out again, counted in ``rejected``; returns how many
+        were found."""
+        ...
+
     def items(self) -> list[Trajectory]:
         """Every held trajectory, oldest first."""
         ...
@@ -156,6 +179,12 @@ class ReplayBuffer(Protocol):
     def reset(self) -> None:
         """Empty the run's buffer and zero its counters (a fresh run under the same id)."""
         ...
+
+
+@runtime_checkable
+class ReplayBuffer(ReplayProducer, ReplayConsumer, Protocol):
+    """Both halves in one object: a process that fills and drains its own ring (``reval
+    train``, the conformance suite)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Sampling ahead: background threads draw the next batches while the learner trains on the
 current one, so the round trip to Redis and the decoding of records overlap the update (and
-each other). Works with any ReplayBuffer.
+each other). Works with any ReplayConsumer.
 
 Semantics: a prefetched batch was drawn up to ``depth`` batches before it is consumed (its use
 counts, the rate limiter and its staleness figures were updated at draw time). The learner
@@ -13,13 +13,13 @@ import queue
 import threading
 from collections.abc import Callable
 
-from buffer.base import ReplayBuffer, SampledBatch, SampleTimeout
+from buffer.base import ReplayConsumer, SampledBatch, SampleTimeout
 
 
 class Prefetcher:
     def __init__(
         self,
-        buffer: ReplayBuffer,
+        buffer: ReplayConsumer,
         batch_size: int,
         depth: int = 2,
         workers: int = 2,

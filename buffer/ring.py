@@ -6,6 +6,7 @@ a condition variable that inserts notify.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -30,6 +31,7 @@ from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory
 from buffer.sumtree import SumTree
 
 T = TypeVar("T")
+log = logging.getLogger("reval.buffer")
 
 
 class MemoryRing:
@@ -112,12 +114,12 @@ class MemoryRing:
                     continue  # a producer's retry of a batch that already landed
                 slot = self._head % self._capacity
                 if self._head - self._capacity >= self._tail:
-                    old = self._slots[slot]
-                    assert old is not None
-                    self._index.pop(old.traj_id, None)
+                    old = self._slots[slot]  # (None: quarantined)
+                    if old is not None:
+                        self._index.pop(old.traj_id, None)
+                        unused += old.use_count == 0
                     self._tail += 1
                     evicted += 1
-                    unused += old.use_count == 0
                 self._slots[slot] = t
                 self._taken[slot] = False
                 self._index[t.traj_id] = self._head
@@ -153,15 +155,15 @@ class MemoryRing:
         while self._tail < self._head:
             slot = self._tail % self._capacity
             t = self._slots[slot]
-            assert t is not None
-            if t.policy_version >= floor:
+            if t is not None and t.policy_version >= floor:
                 break
-            self._index.pop(t.traj_id, None)
+            if t is not None:  # (a quarantined slot goes with them, not counted)
+                self._index.pop(t.traj_id, None)
+                dropped += 1
             self._slots[slot] = None
             if self._tree is not None:
                 self._tree.set(slot, 0.0)
             self._tail += 1
-            dropped += 1
         self._dropped += dropped
         return dropped
 
@@ -197,7 +199,8 @@ class MemoryRing:
                 swaps[j] = vi
                 pos = self._tail + vj
                 t = self._slots[pos % self._capacity]
-                assert t is not None
+                if t is None:  # quarantined: passed over
+                    continue
                 if floor is not None and t.policy_version < floor:
                     skipped += 1
                     continue
@@ -371,9 +374,8 @@ class MemoryRing:
         with self._cond:
             for t in trajectories:
                 pos = self._index.get(t.traj_id)
-                if pos is not None:
-                    held = self._slots[pos % self._capacity]
-                    assert held is not None
+                held = None if pos is None else self._slots[pos % self._capacity]
+                if pos is not None and held is not None:
                     t.use_count = held.use_count
                     self._slots[pos % self._capacity] = t
                     found += 1
@@ -384,9 +386,29 @@ class MemoryRing:
             out = []
             for pos in range(self._tail, self._head):
                 t = self._slots[pos % self._capacity]
-                assert t is not None
-                out.append(t)
+                if t is not None:  # (None: quarantined)
+                    out.append(t)
             return out
+
+    def quarantine(self, traj_ids: Sequence[str], reason: str) -> int:
+        """Empty held records by id: their slots hold nothing until evicted (passed over by
+        ``sample`` and ``take``, absent from ``items``), counted in ``rejected``."""
+        found = 0
+        with self._cond:
+            for tid in traj_ids:
+                pos = self._index.pop(tid, None)
+                if pos is None:
+                    continue
+                slot = pos % self._capacity
+                self._slots[slot] = None
+                if self._tree is not None:
+                    self._tree.set(slot, 0.0)
+                found += 1
+            self._rejected += found
+        log.error("quarantined a batch of %d records: %s", found, reason)
+        if self.metrics is not None:
+            self.metrics.rejected.inc(found)
+        return found
 
     def reset(self) -> None:
         with self._cond:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from buffer.base import ReplayBuffer, SampledBatch
+from buffer.base import ReplayConsumer, SampledBatch
 from buffer.records import RecordLimits, Trajectory
 from reval.config import RunConfig
 
@@ -30,7 +30,7 @@ from reval.config import RunConfig
 class BatchSource:
     """Draws the batches of a run's updates in the algorithm's order (one consumer)."""
 
-    buffer: ReplayBuffer
+    buffer: ReplayConsumer
     batch_size: int
     on_policy: bool
     """GRPO: whole groups, each trajectory once."""
@@ -41,7 +41,7 @@ class BatchSource:
     """Batches handed out so far (the position in the fresh/replay schedule)."""
 
     @classmethod
-    def from_config(cls, buffer: ReplayBuffer, cfg: RunConfig) -> BatchSource:
+    def from_config(cls, buffer: ReplayConsumer, cfg: RunConfig) -> BatchSource:
         return cls(
             buffer,
             cfg.batch_size,

@@ -41,12 +41,12 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from buffer import make_buffer
+from buffer import make_consumer
 from buffer.base import BufferUnavailable, SampledBatch, SampleTimeout
 from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
 from buffer.records import RecordLimits, Trajectory
-from buffer.redis_ring import RedisRing, RingCorrupt
+from buffer.redis_layout import RingCorrupt
 from learner.batches import BatchSource, context_limits, split_shares
 from learner.checkpoint import PARTIAL, CheckpointWriteError, load_checkpoint, save_checkpoint
 from learner.export import export_hf
@@ -143,7 +143,7 @@ class LearnerService:
         # past it would raise inside the update, so the ring quarantines it on read.
         self.vocab_size = int(self.model.config.vocab_size)
         self.buffer_metrics = BufferMetrics(self.metrics.registry) if self.rank == 0 else None
-        self.ring = make_buffer(
+        self.ring = make_consumer(
             cfg.buffer,
             cfg.name,
             seed=cfg.seed * 7919 + self.rank,
@@ -388,8 +388,8 @@ class LearnerService:
         total = cfg.learner.max_steps or cfg.learner.rounds * cfg.learner.updates_per_round
         if self.rank == 0:
             dump_config(cfg, self.run_dir / "config.json")
-            if isinstance(self.ring, RedisRing):  # longer than the context: quarantined on read
-                self.ring.limits = context_limits(self.ring.limits, self.model.config)
+            # Longer than the context: quarantined on read.
+            self.ring.limits = context_limits(self.ring.limits, self.model.config)
         self.publish()  # the workers wait for these before they generate
         prefetch = None
         if self.rank == 0 and cfg.learner.sample_prefetch:
@@ -483,8 +483,7 @@ class LearnerService:
         log.exception("update %d raised on its batch: quarantined", self.step.counts.updates)
         if batch is not None:
             ids = batch.traj_ids
-            if isinstance(self.ring, RedisRing):  # (what ``main`` requires)
-                self.ring.quarantine(ids, f"the update raised {type(err).__name__}: {err}")
+            self.ring.quarantine(ids, f"the update raised {type(err).__name__}: {err}")
             with contextlib.suppress(redis.RedisError):
                 self.control.record(
                     "batch_quarantined", {"records": len(ids), "error": repr(err)[:500]},

@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from buffer.base import ReplayBuffer, SampledBatch
+from buffer.base import ReplayConsumer, SampledBatch
 from buffer.records import Trajectory
 from learner.trainer import Learner
 from reval.config import RunConfig
@@ -91,7 +91,7 @@ class UpdateStep:
         self,
         learner: Learner,
         cfg: RunConfig,
-        buffer: ReplayBuffer | None,
+        buffer: ReplayConsumer | None,
         metrics: UpdateMetrics | None = None,
         reduce: Reduce | None = None,
         gather: Gather | None = None,
@@ -246,10 +246,10 @@ class UpdateStep:
                 group["lr"] = float(changes.lr)
         if self.buffer is not None:
             if changes.samples_per_insert is not None:
-                self.buffer.samples_per_insert = float(changes.samples_per_insert)  # type: ignore[attr-defined]
+                self.buffer.samples_per_insert = float(changes.samples_per_insert)
             if changes.max_staleness is not None:
                 value = int(changes.max_staleness)
-                self.buffer.max_staleness = None if value < 0 else value  # type: ignore[attr-defined]
+                self.buffer.max_staleness = None if value < 0 else value
         self.applied = self.applied.merged(changes)
         done = changes.set_fields()
         if self.metrics is not None:

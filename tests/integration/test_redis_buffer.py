@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from buffer.base import SampleTimeout
 from buffer.metrics import BufferMetrics
 from buffer.records import RecordError, encode
-from buffer.redis_ring import RedisRing, run_keys
+from buffer.redis_ring import RedisRing
+from reval.redis import ring_keys
 from tests.conftest import make_traj
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -263,7 +264,7 @@ def test_runs_are_isolated_and_capacity_is_per_run(redis_url, redis_prefix):
     assert [t.traj_id for t in c.items()] == [f"t{i}" for i in range(3, 12)]
     assert len(b) == 6
     with pytest.raises(ValueError, match="run id"):
-        run_keys("p:", "bad:run")
+        ring_keys("p:", "bad:run")
 
 
 def test_a_corrupt_record_in_redis_is_quarantined_and_counted(redis_url, redis_prefix):
@@ -310,7 +311,7 @@ def test_keys_live_under_the_prefix_only(redis_url, redis_prefix):
     buf = RedisRing("k", 10, url=redis_url, key_prefix=redis_prefix, prioritized=True)
     buf.insert([make_traj(0)])
     keys = {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")}
-    k = run_keys(redis_prefix, "k")
+    k = ring_keys(redis_prefix, "k")
     assert keys == {k.meta, k.dig, k.tree, k.ver, k.use, k.chunks, k.rec + "0"}
     buf.sample(1)
     buf.write_back(buf.items())
@@ -467,3 +468,27 @@ def test_a_learner_follows_a_reset_made_by_another_client(redis_url, redis_prefi
     assert sorted(batch.traj_ids) == ["t100", "t101", "t102"]
     assert learner.stats().sampled == 3
     assert learner.write_back([make_traj(0)]) == 0  # t0's old position means nothing now
+
+
+def test_a_worker_and_the_learner_each_hold_one_half(redis_url, redis_prefix):
+    """The producer and the consumer are separate objects over their own layouts (two processes
+    in a run): each is only the half of the protocol its caller needs, and they meet in Redis."""
+    from buffer.base import ReplayBuffer, ReplayConsumer, ReplayProducer
+    from buffer.redis_consumer import RedisConsumer
+    from buffer.redis_layout import RingLayout
+    from buffer.redis_producer import RedisProducer
+
+    kw = {"url": redis_url, "key_prefix": redis_prefix}
+    producer = RedisProducer(RingLayout("halves", 16, **kw))
+    consumer = RedisConsumer(RingLayout("halves", 16, **kw), seed=1)
+    assert isinstance(producer, ReplayProducer) and not isinstance(producer, ReplayConsumer)
+    assert isinstance(consumer, ReplayConsumer) and not isinstance(consumer, ReplayProducer)
+    assert not isinstance(consumer, ReplayBuffer)
+    producer.insert([make_traj(i) for i in range(6)])
+    batch = consumer.take(4, oldest_first=True)
+    assert batch.traj_ids == ["t0", "t1", "t2", "t3"]
+    assert consumer.quarantine(batch.traj_ids[:2], "test") == 2
+    assert producer.stats().rejected == 2  # the worker's pacing reads the same counters
+    assert [t.traj_id for t in consumer.items()] == ["t2", "t3", "t4", "t5"]
+    producer.close()
+    consumer.close()

@@ -189,14 +189,14 @@ def test_all_updates_from_the_buffer_and_reload_through_load_policy(tmp_path):
 def test_training_through_the_redis_buffer(tmp_path, redis_url, redis_prefix):
     import redis
 
-    from buffer.redis_ring import run_keys
+    from reval.redis import ring_keys
 
     extra = ["buffer.backend=redis", f"buffer.redis_url={redis_url}"]
     extra.append(f"buffer.key_prefix={redis_prefix}")
     res = train(cfg_for(tmp_path, *extra, "metrics.plot=false", name="rd"))
     assert res.final_success > res.initial_success + 0.3, res.history
     client = redis.Redis.from_url(redis_url)
-    meta = run_keys(redis_prefix, "rd").meta
+    meta = ring_keys(redis_prefix, "rd").meta
     assert int(client.hget(meta, "head")) == 15 * 32  # every trajectory went through Redis
     assert int(client.hget(meta, "version")) == res.history[-1]["policy_version"] - 1
     assert int(client.hget(meta, "sampled")) == 2 * 15 * 32  # fresh, then sampled: K = 2
@@ -210,14 +210,14 @@ def test_prioritized_replay_updates_priorities(tmp_path, redis_url, redis_prefix
     diverges on others (docs/buffer.md), so no learning claim here."""
     import redis
 
-    from buffer.redis_ring import run_keys
+    from reval.redis import ring_keys
 
     extra = ["buffer.backend=redis", f"buffer.redis_url={redis_url}"]
     extra += [f"buffer.key_prefix={redis_prefix}", "buffer.prioritized=true"]
     res = train(cfg_for(tmp_path, *extra, "learner.rounds=3", "metrics.plot=false", name="pr"))
     assert all(r["updates"] == 2 for r in res.history[1:])
     client = redis.Redis.from_url(redis_url)
-    meta, tree = run_keys(redis_prefix, "pr").meta, run_keys(redis_prefix, "pr").tree
+    meta, tree = ring_keys(redis_prefix, "pr").meta, ring_keys(redis_prefix, "pr").tree
     leaves = int(client.hget(meta, "leaves"))
     prios = [float(v) for k, v in client.hgetall(tree).items() if int(k) >= leaves]
     assert len(prios) == 96 and len(set(prios)) > 50  # set from each trajectory's |delta|

@@ -509,3 +509,18 @@ def test_evictions_of_never_used_trajectories_are_counted(make_buffer):
     assert (s.evicted, s.evicted_unused) == (20, unused + 10)
     assert s.unused_share == pytest.approx((unused + 10) / 20)
     assert s.reuse == pytest.approx(s.sampled / 26)
+
+
+def test_quarantine_empties_records_by_id_for_good(make_buffer):
+    buf = make_buffer(8, seed=5)
+    buf.insert([make_traj(i) for i in range(8)])
+    bad = buf.sample(3).traj_ids
+    assert buf.quarantine([*bad, "never-held"], "the update raised") == 3
+    assert buf.stats().rejected == 3
+    held = [t.traj_id for t in buf.items()]
+    assert sorted(held) == sorted(f"t{i}" for i in range(8) if f"t{i}" not in bad)
+    seen = {tid for _ in range(20) for tid in buf.sample(5).traj_ids}
+    assert seen == set(held)  # every usable record still comes out, the quarantined never
+    assert not set(buf.take(5, oldest_first=True).traj_ids) & set(bad)
+    with pytest.raises(SampleTimeout):
+        buf.sample(6)  # 5 usable of the 8 held
