@@ -1,6 +1,12 @@
-"""Hand-run benchmark: packed against padded micro-batches (issue 27), CPU, fp32, one process.
+"""Hand-run benchmark of the learner's update (issue 27): packed against padded micro-batches,
+useful-token MFU against a plain Hugging Face step, on a GPU and on the CPU.
 
-    .venv/bin/python benchmarks/learner_pack_bench.py        # figures go into docs/learner.md
+    .venv/bin/python benchmarks/learner_gpu_bench.py                 # CPU: ratios, docs/learner.md
+    python benchmarks/learner_gpu_bench.py --gpu --out gpu.json       # one GPU: the 1.5B shape
+    python benchmarks/learner_gpu_bench.py --gpu --shape 3b           # the largest that fits one
+    python benchmarks/learner_gpu_bench.py --gpu --profile prof/      # + a profile of one update
+
+On the CPU (the default without ``--gpu``):
 
 1. Useful / computed tokens of the micro-batching on an RL-like length distribution (prompts
    uniform in 64-512 tokens, responses log-normal with median 2,000 and sigma ``--sigma``, capped
@@ -9,21 +15,38 @@
    same budget (computed = what the forward runs on: padded count x (longest prompt + longest
    response), packed the sum of the lengths). At full scale, from the lengths alone.
 2. Update times (a Llama-shaped model of width 128, 2 layers, vocabulary 512; ReVal, reference
-   quantities cached; wall and this process's CPU time, the
-   latter steadier on a shared machine) through ``Learner.update`` with a tiny
-   model, every length divided by ``--scale`` (so it runs in a couple of minutes on two cores):
-   on the RL-like lengths for the three micro-batchings (useful tokens/s), and on equal lengths
-   (512 + 3,584 scaled) padded against packed with the same trajectories per micro-batch: the
-   packed / padded time ratio, the configurations interleaved in one run, best of ``--reps``
-   (the machine is shared: the minimum is the least disturbed).
+   quantities cached; wall and this process's CPU time, the latter steadier on a shared machine)
+   through ``Learner.update``, every length divided by ``--scale`` (a couple of minutes on two
+   cores): on the RL-like lengths for the three micro-batchings (useful tokens/s), and on equal
+   lengths (512 + 3,584 scaled) padded against packed with the same trajectories per
+   micro-batch: the packed / padded time ratio, the configurations interleaved in one run, best
+   of ``--reps`` (the machine is shared: the minimum is the least disturbed).
 
-Targets: packed useful / computed >= 0.97; packed no slower than padded on equal lengths.
+With ``--gpu`` (one rank, FSDP2 through ``learner.parallel.shard`` as ``reval learner`` runs it,
+bf16 compute with fp32 masters, the project's model builder at a real model's shape and
+vocabulary, random weights): for equal lengths (32 x (512 + 3,584)) and RL-like lengths (64
+trajectories as above), the update of ReVal with the reference computed and with it cached, of
+GRPO, and a plain HF step on the same tokens (the model's own loss over full logits, padded
+micro-batches under the same token budget, AdamW): seconds per update (median of ``--reps``
+after a warm-up), useful tokens/s, useful-token MFU (6 N + causal attention FLOPs per useful
+token, plus the reference forward where it runs, against ``--peak-tflops``) and peak memory.
+Activation checkpointing as ``--checkpointing`` says (``auto``: ``learner/memory.py``'s plan,
+printed). ``--attention loop`` runs packed rows through per-sequence sdpa instead of the flash
+varlen kernel (``learner/sequence.py`` ``CUDA_VARLEN``); ``--compile`` compiles each decoder
+layer before sharding. The same code runs on the CPU with ``--device cpu --shape tiny`` (its
+smoke test: tests/unit/test_learner_gpu_bench.py).
+
+Targets (issue 27): packed useful / computed >= 0.97; packed no slower than padded on equal
+lengths (CPU); on a GPU at the 1.5B shape with RL-like lengths, useful-token MFU >= 40% for ReVal
+with a cached reference and >= 1.2x the plain HF step's throughput.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,14 +98,14 @@ def token_ratios(batches: int, batch: int, sigma: float, seed: int) -> None:
         )
 
 
-def trajectories(sizes: list[tuple[int, int]], seed: int) -> list[Trajectory]:
+def trajectories(sizes: list[tuple[int, int]], seed: int, vocab: int = VOCAB) -> list[Trajectory]:
     rng = np.random.default_rng(seed)
     out = []
     for i, (p, r) in enumerate(sizes):
-        resp = np.append(rng.integers(3, VOCAB, r - 1), EOS)
+        resp = np.append(rng.integers(3, vocab, r - 1), EOS)
         out.append(
             Trajectory(
-                prompt_ids=rng.integers(3, VOCAB, p),
+                prompt_ids=rng.integers(3, vocab, p),
                 response_ids=resp,
                 logprobs=-rng.random(r).astype(np.float32),
                 reward_raw=float(i % 2),
@@ -122,7 +145,246 @@ def time_updates(
     return {name: (min(w for w, _ in v), min(c for _, c in v)) for name, v in times.items()}
 
 
-def main() -> int:
+# -- the GPU mode ------------------------------------------------------------------------------
+
+SHAPES = {  # name: TinyModelConfig fields + vocabulary (the real models' shapes)
+    "1.5b": ({"hidden_size": 1536, "intermediate_size": 8960, "num_layers": 28, "num_heads": 12,
+              "num_kv_heads": 2, "head_dim": 128}, 151_936),  # Qwen2.5-1.5B
+    "3b": ({"hidden_size": 2048, "intermediate_size": 11008, "num_layers": 36, "num_heads": 16,
+            "num_kv_heads": 2, "head_dim": 128}, 151_936),  # Qwen2.5-3B
+    "tiny": ({"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2, "head_dim": 16}, 512),  # the CPU smoke test
+}  # fmt: skip
+CASES = {  # name: (algo, reference recomputed every update)
+    "ReVal, reference computed": ("reval", True),
+    "ReVal, reference cached": ("reval", False),
+    "GRPO": ("grpo", False),
+}
+
+
+def init_one_rank(device: str) -> torch.device:
+    """A world of one (FSDP2 shards over it), as ``reval learner`` starts each rank."""
+    import os
+    import socket
+
+    from learner.parallel import init_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                 "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():  # fmt: skip
+        os.environ.setdefault(k, v)
+    return init_group(device, "auto", 600)
+
+
+def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any, Any]:
+    """The run config, the sharded policy (fp32 masters), its bf16 reference and the plan."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from learner.memory import apply_plan
+    from learner.parallel import shard
+    from reval.config import RunConfig
+    from reval.policy import compute_dtype
+
+    fields, vocab = SHAPES[args.shape]
+    longest = (512 + 8192) // args.scale
+    ckpt = {"auto": "auto", "on": True, "off": False}[args.checkpointing]
+    cfg = RunConfig.model_validate({
+        "model": {"dtype": "bfloat16" if device.type == "cuda" else "float32",
+                  "device": device.type, "gradient_checkpointing": ckpt,
+                  "tiny": {**fields, "max_position_embeddings": longest + 64}},
+        "task": {"max_prompt_tokens": 512 // args.scale},
+        "rollout": {"max_new_tokens": 8192 // args.scale},
+        "learner": {"lr": 1e-7, "micro_batch_size": 64,
+                    "max_tokens_per_micro_batch": FULL_BUDGET // args.scale, "packing": "auto"},
+        "algo": {"beta": 0.002},
+    })  # fmt: skip
+    dtype = compute_dtype(cfg.model)
+    with torch.device(device):
+        model = build_tiny_model(cfg.model.tiny, vocab, PAD, EOS, seed=0)
+    plan = apply_plan(cfg, model, device)
+    print(plan.describe())
+    reference = copy.deepcopy(model).to(dtype).requires_grad_(False).eval()
+    if args.compile:
+        for layer in model.model.layers:
+            layer.compile()
+    mesh = init_device_mesh(device.type, (1,))
+    shard(model, mesh, dtype)
+    shard(reference, mesh, dtype, reshard_root=True)
+    return cfg, model, reference, plan
+
+
+def model_flops(model: Any, sizes: list[tuple[int, int]], reference: bool) -> float:
+    """FLOPs of one update's useful work: 6 N per token (the LM head included; the embedding
+    lookup is free: N counts a tied matrix once) + causal attention, forward 2 L^2 d per layer
+    and three times that with the backward; the reference forward (a third of that) where it
+    runs."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    if not c.tie_word_embeddings:
+        n -= model.get_input_embeddings().weight.numel()
+    d = c.num_attention_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+    per = 0.0
+    for p, r in sizes:
+        length = p + r
+        per += 6 * n * length + 6 * c.num_hidden_layers * length**2 * d
+    return per * (4 / 3 if reference else 1)
+
+
+def hf_step(model: Any, optimizer: Any, ts: list[Trajectory], cfg: Any, device: Any) -> None:
+    """A plain HF step on the same tokens: padded micro-batches under the same token budget,
+    the model's own causal-LM loss over the responses (full logits), one AdamW step."""
+    from learner.batches import micro_batches
+
+    sizes = [(t.prompt_ids.size, t.response_ids.size) for t in ts]
+    parts = micro_batches(sizes, cfg.learner.micro_batch_size,
+                          cfg.learner.max_tokens_per_micro_batch, False)  # fmt: skip
+    total = sum(r for _, r in sizes)
+    for part in parts:
+        rows = [np.concatenate([ts[i].prompt_ids, ts[i].response_ids]) for i in part]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, i in enumerate(part):
+            n, p = len(rows[j]), ts[i].prompt_ids.size
+            ids[j, :n] = torch.from_numpy(rows[j])
+            labels[j, p:n] = ids[j, p:n]
+            mask[j, :n] = 1
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                    labels=labels.to(device), use_cache=False)  # fmt: skip
+        tokens = int((labels[:, 1:] != -100).sum())
+        (out.loss * tokens / total).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(run: Any, device: torch.device, reps: int) -> tuple[float, int]:
+    """Median seconds of ``run()`` over ``reps`` after one warm-up, and the peak memory."""
+    run()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    return sorted(times)[len(times) // 2], peak
+
+
+def gpu_rows(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    from learner.parallel import reduce_scalar
+    from reval.config import AlgoConfig
+    from reval.policy import compute_dtype
+
+    cfg, model, reference, _plan = build(args, device)
+    vocab = SHAPES[args.shape][1]
+    s = args.scale
+    lengths = {
+        "equal": [(512 // s, 3584 // s)] * 32,
+        "RL-like": [(max(1, p // s), max(1, r // s))
+                    for p, r in rl_lengths(64, np.random.default_rng(1), args.sigma)],
+    }  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    for kind, sizes in lengths.items():
+        ts = trajectories(sizes, seed=2, vocab=vocab)
+        useful = sum(p + r for p, r in sizes)
+        for name, (algo, recompute) in CASES.items():
+            learner = Learner(model, cfg.learner, AlgoConfig(name=algo, beta=0.002), PAD, EOS,
+                              device, reference_model=reference, reduce=reduce_scalar,
+                              compute_dtype=compute_dtype(cfg.model))  # fmt: skip
+
+            def run(
+                ts: list[Trajectory] = ts, recompute: bool = recompute, lrn: Any = learner
+            ) -> None:
+                if recompute:
+                    for t in ts:
+                        t.ref_version = -1
+                lrn.update(ts)
+
+            sec, peak = measure(run, device, args.reps)
+            flops = model_flops(model, sizes, reference=recompute)
+            rows.append(row(kind, name, sec, useful, flops, peak, args.peak_tflops))
+            if args.profile and kind == "RL-like" and name == "ReVal, reference cached":
+                profile(run, args.profile, f"{args.shape}-{kind}")
+            del learner, run
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+        step = functools.partial(hf_step, model, optimizer, ts, cfg, device)
+        sec, peak = measure(step, device, args.reps)
+        flops = model_flops(model, sizes, reference=False)
+        rows.append(row(kind, "plain HF step", sec, useful, flops, peak, args.peak_tflops))
+        del optimizer, step
+    return rows
+
+
+def row(kind: str, name: str, sec: float, useful: int, flops: float, peak: int,
+        peak_tflops: float) -> dict[str, Any]:  # fmt: skip
+    return {"lengths": kind, "update": name, "s": sec, "useful_tokens": useful,
+            "tokens_per_s": useful / sec, "mfu": flops / sec / (peak_tflops * 1e12),
+            "peak_gb": peak / 1e9}  # fmt: skip
+
+
+def profile(run: Any, out: str, tag: str) -> None:
+    """One update under ``torch.profiler``: the top kernels by device time and a trace."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=acts) as prof:
+        run()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    (Path(out) / f"{tag}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+    prof.export_chrome_trace(str(Path(out) / f"{tag}.json"))
+
+
+def gpu_main(args: argparse.Namespace) -> int:
+    import json
+    import platform
+
+    from learner import sequence
+
+    sequence.CUDA_VARLEN = args.attention == "varlen"
+    device = init_one_rank(args.device)
+    rows = gpu_rows(args, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    print(f"\n{name}, torch {torch.__version__}, shape {args.shape}, lengths / {args.scale}, "
+          f"checkpointing {args.checkpointing}, attention {args.attention}")  # fmt: skip
+    print(f"{'lengths':8s} {'update':28s} {'s':>8s} {'tokens/s':>10s} {'MFU':>7s} {'peak GB':>8s}")
+    for r in rows:
+        print(f"{r['lengths']:8s} {r['update']:28s} {r['s']:8.3f} {r['tokens_per_s']:10.0f} "
+              f"{r['mfu']:7.1%} {r['peak_gb']:8.1f}")  # fmt: skip
+    by = {(r["lengths"], r["update"]): r for r in rows}
+    ratios = {k: by[(k, "ReVal, reference cached")]["tokens_per_s"]
+              / by[(k, "plain HF step")]["tokens_per_s"] for k in ("equal", "RL-like")}  # fmt: skip
+    print("ReVal (reference cached) / plain HF step, tokens/s: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))  # fmt: skip
+    if args.out:
+        facts = {"device": name, "torch": torch.__version__, "args": vars(args), "rows": rows,
+                 "ratio_vs_hf": ratios, "varlen_failed": sequence._VARLEN_FAILED}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(facts, f, indent=1)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", type=int, default=16, help="lengths divided by this for timing")
     ap.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of the responses")
@@ -130,7 +392,21 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=200, help="draws for the token ratios")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--gpu", action="store_true", help="the GPU mode (module docstring)")
+    ap.add_argument("--device", default="cuda", help="--gpu: cuda, or cpu for its smoke test")
+    ap.add_argument("--shape", default="1.5b", choices=sorted(SHAPES))
+    ap.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--attention", default="varlen", choices=["varlen", "loop"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="H100/H200 dense bf16")
+    ap.add_argument("--profile", help="--gpu: write a torch.profiler table and trace here")
+    ap.add_argument("--out", help="--gpu: write the figures here as JSON")
+    args = ap.parse_args(argv)
+    if args.gpu:
+        if args.scale == 16 and args.device == "cuda":
+            args.scale = 1  # full lengths on a GPU
+        args.reps = args.reps if args.reps != 7 else 3
+        return gpu_main(args)
     torch.set_num_threads(args.threads)
     token_ratios(args.batches, args.batch, args.sigma, seed=0)
 

@@ -15,6 +15,7 @@ apart. Everything after the model runs in fp32.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from buffer.records import Trajectory
+
+log = logging.getLogger("reval.learner")
 
 
 @dataclass
@@ -192,6 +195,10 @@ def _varlen_sdpa(
     groups = int(getattr(module, "num_key_value_groups", 1))
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if query.is_cuda and CUDA_VARLEN and query.dtype in (torch.bfloat16, torch.float16):
+        out = _flash_varlen(query, key, value, cu, scaling)
+        if out is not None:
+            return out, None
     bounds = cu.tolist()
     outs = []
     i = 0
@@ -211,6 +218,43 @@ def _varlen_sdpa(
         outs.append(o.transpose(0, 1).flatten(1, 2)[None])  # [1, H, k * n, D]
         i = j
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+CUDA_VARLEN = True
+"""On a CUDA device in bf16/fp16, ``VARLEN_SDPA`` runs a packed row through torch's flash-attention
+varlen kernel (``torch.nn.attention.varlen.varlen_attn``: one launch per layer, whatever the
+lengths) instead of one sdpa call per run of equal lengths. False: the per-sequence path
+(``benchmarks/learner_gpu_bench.py --attention loop`` compares the two)."""
+_VARLEN_FAILED: list[str] = []
+
+
+def _flash_varlen(
+    query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scaling: float | None
+) -> Tensor | None:
+    """Causal varlen attention of a packed row [1, H, L, D] -> [1, L, H, D]; None (and one
+    warning) where this torch has no varlen kernel or it refuses the inputs. Causal is
+    ``window_size=(-1, 0)`` from torch 2.11, ``is_causal=True`` in 2.10."""
+    if _VARLEN_FAILED:
+        return None
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        causal: dict[str, Any] = (
+            {"window_size": (-1, 0)}
+            if "window_size" in inspect.signature(varlen_attn).parameters
+            else {"is_causal": True}
+        )
+        mx = int((cu[1:] - cu[:-1]).max())  # on the host: the row's bounds are built there
+        cu = cu.to(query.device, torch.int32)
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [L, H, D]
+        out = varlen_attn(q, k, v, cu, cu, mx, mx, scale=scaling, **causal)
+    except (ImportError, RuntimeError, TypeError, ValueError) as err:
+        _VARLEN_FAILED.append(f"{type(err).__name__}: {err}")
+        log.warning("flash varlen attention unavailable (%s): per-sequence sdpa", _VARLEN_FAILED[0])
+        return None
+    return out[None]
 
 
 def _varlen_sdpa_mask(*args: Any, **kwargs: Any) -> Tensor | None:

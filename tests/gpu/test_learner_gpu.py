@@ -198,3 +198,31 @@ def test_chunked_logprobs_peak_memory_at_qwen_vocabulary():
     p, c = peak(plain), peak(chunked)
     print(json.dumps({"plain_bytes": p, "chunked_bytes": c, "ratio": c / p}))
     assert c < 0.3 * p, (c, p)  # (H100, torch 2.11: 3.4 GB against 15.0 GB, 0.23)
+
+
+@pytest.mark.timeout(300)
+def test_packed_rows_through_flash_varlen_match_padded_ones_in_bf16():
+    """``VARLEN_SDPA`` on CUDA runs a packed row through torch's flash varlen kernel
+    (``learner/sequence.py`` ``CUDA_VARLEN``): the same per-token log-probs as padded rows
+    (bf16 tolerance), and the kernel was taken (no fallback)."""
+    from learner import sequence
+    from learner.sequence import make_batch, policy_stats, use_varlen_attention
+    from reval.config import TinyModelConfig
+    from reval.policy import build_tiny_model
+    from tests.conftest import make_traj
+
+    dev = torch.device("cuda")
+    shape = TinyModelConfig(
+        hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+        intermediate_size=512, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = build_tiny_model(shape, 64, 0, 1, seed=0).to(dev)
+    trajs = [make_traj(i, plen=8 + 5 * i, rlen=40 + 17 * i) for i in range(6)]
+    padded = policy_stats(model, make_batch(trajs, 0, 1, False).to(dev), torch.bfloat16).logp
+    use_varlen_attention(model)
+    sequence._VARLEN_FAILED.clear()
+    packed = policy_stats(model, make_batch(trajs, 0, 1, True).to(dev), torch.bfloat16).logp
+    assert sequence._VARLEN_FAILED == []
+    for i, t in enumerate(trajs):
+        n = t.response_ids.size
+        torch.testing.assert_close(packed[i, :n].float(), padded[i, :n].float(), atol=3e-2, rtol=0)
