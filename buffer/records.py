@@ -15,7 +15,9 @@ once (``_generate``), so they run as fast as hand-written code: no per-field loo
 Their source is kept in ``GENERATED_SOURCE`` (and shows in tracebacks). Adding, removing or
 reordering a field changes the wire format: bump ``SCHEMA_VERSION`` with it.
 
-Schema history: 1 was a msgpack map (never persisted by a release); 2 is the array form.
+Schema history: 1 was a msgpack map (never persisted by a release); 2 is the array form; 3 adds
+``action_mask`` (multi-turn episodes). A schema-2 record still decodes: its ``action_mask`` is
+absent (empty: every response token is the model's own).
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+OLD_SCHEMA_VERSION = 2
+"""The schema before ``action_mask``: read, with the mask absent, never written."""
 MAX_TOKENS = 1 << 20  # a record longer than 1M tokens is certainly corrupt
 FinishReason = Literal["stop", "length"]
 _FINISH_REASONS = ("stop", "length")
 
 IntArray = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float32]
+MaskArray = npt.NDArray[np.uint8]
 
 
 class RecordError(ValueError):
@@ -155,12 +160,15 @@ INT32_ARRAY = _kind(types=(bytes,), written=(bytes,), pack="{}.tobytes()", dtype
 FLOAT32_ARRAY = _kind(
     types=(bytes,), written=(bytes,), pack="{}.tobytes()", dtype=np.dtype(np.float32)
 )
+UINT8_ARRAY = _kind(types=(bytes,), written=(bytes,), pack="{}.tobytes()", dtype=np.dtype(np.uint8))
 FINITE_FLOAT = _kind(types=(float, int), written=(float,), pack="float({})", finite=True)
 FLOAT = _kind(types=(float, int), written=(float,), pack="float({})")
 COUNT = _kind(types=(int,), written=(int,), pack="int({})", non_negative=True)
 OPTIONAL_INT = _kind(types=(int, NoneType), written=(int, NoneType))
 TEXT = _kind(types=(str,), written=(str,))
 FINISH = _kind(types=(str,), written=(str,), choices=_FINISH_REASONS)
+_NO_MASK: MaskArray = np.zeros(0, dtype=np.uint8)
+_NO_MASK.flags.writeable = False  # (the one shared default: never written in place)
 
 
 # -- the record: its one declaration ------------------------------------------------------------
@@ -168,7 +176,9 @@ FINISH = _kind(types=(str,), written=(str,), choices=_FINISH_REASONS)
 
 @dataclass(slots=True)
 class Trajectory:
-    """One (prompt, response) pair with its reward and bookkeeping.
+    """One (prompt, response) pair with its reward and bookkeeping. The response of a multi-turn
+    episode holds the model's turns and the environment's observations between them, told apart
+    by ``action_mask``.
 
     This declaration is the wire schema: every field travels, in this order, as its ``metadata``
     kind says (see the module docstring)."""
@@ -178,7 +188,8 @@ class Trajectory:
     response_ids: IntArray = field(metadata=INT32_ARRAY)
     """[T] response token ids, ending with EOS when ``finish_reason == "stop"``."""
     logprobs: FloatArray = field(metadata=FLOAT32_ARRAY)
-    """[T] behaviour log-probs of the generator (temperature applied) for each response token."""
+    """[T] behaviour log-probs of the generator (temperature applied) for each response token;
+    0 on an environment's token (``action_mask`` 0: it was not sampled)."""
     reward_raw: float = field(metadata=FINITE_FLOAT)
     """Verifier score (0/1)."""
     reward: float = field(metadata=FINITE_FLOAT)
@@ -205,6 +216,11 @@ class Trajectory:
     """Cached ``log pi_ref(y | x)`` (valid only for ``ref_version``)."""
     ref_value: float = field(default=0.0, metadata=FINITE_FLOAT)
     """Cached ``V_ref(s1)`` (valid only for ``ref_version``)."""
+    action_mask: MaskArray = field(default_factory=lambda: _NO_MASK, metadata=UINT8_ARRAY)
+    """[T] 1 on a token the model sampled (an action), 0 on an environment's token (an
+    observation of a multi-turn episode: context for what follows, not in the loss); or empty
+    (absent, a single-turn record): every token is an action. When present the first token is
+    an action (an episode starts with the model's turn)."""
     use_count: int = field(default=0, metadata=COUNT)
     """Times the learner has sampled it."""
 
@@ -229,6 +245,7 @@ class Trajectory:
             raise RecordError("negative token id")
         if not np.isfinite(self.logprobs).all() or (self.logprobs > 1e-4).any():
             raise RecordError("log-probs must be finite and <= 0")
+        _check_mask(self.action_mask, self.response_ids.size)
         if not _scalars_ok(self):
             _raise_scalar_error(self)
         if limits is not NO_LIMITS:
@@ -383,6 +400,21 @@ _scalars_ok: Callable[[Trajectory], bool] = _CODEC["_scalars_ok"]
 _coerce_arrays: Callable[[Trajectory], None] = _CODEC["_coerce_arrays"]
 
 
+def _check_mask(mask: MaskArray, n_response: int) -> None:
+    """RecordError unless ``mask`` is absent (empty) or a 0/1 array over the ``n_response``
+    response tokens whose first is 1."""
+    if mask.ndim != 1:
+        raise RecordError("action_mask must be one-dimensional")
+    if not mask.size:
+        return
+    if mask.size != n_response:
+        raise RecordError(f"action_mask: {mask.size} entries for {n_response} response tokens")
+    if mask.max() > 1:
+        raise RecordError("action_mask: values must be 0 or 1")
+    if mask[0] != 1:
+        raise RecordError("action_mask: the first response token must be the model's (1)")
+
+
 def _raise_scalar_error(t: Trajectory) -> NoReturn:
     """Name the first scalar field that fails its kind's checks (the slow path of validate)."""
     for name, kind in _FIELDS:
@@ -458,6 +490,7 @@ def validate_many(trajs: Sequence[Trajectory]) -> None:
     try:
         for t in trajs:
             _check_scalars(t)
+            _check_mask(t.action_mask, t.response_ids.size)
         ids = np.concatenate([a for t in trajs for a in (t.prompt_ids, t.response_ids)])
         lps = np.concatenate([t.logprobs for t in trajs])
         ok = ids.min() >= 0 and bool(lps.min() > -np.inf) and bool(lps.max() <= 1e-4)
@@ -505,6 +538,8 @@ def _check_obj(obj: Any) -> tuple[Any, ...]:
             )
         raise RecordError(f"record is not an array (got {type(obj).__name__})")
     version = obj[0] if obj else None
+    if version == OLD_SCHEMA_VERSION and type(version) is int and len(obj) == len(WIRE_FIELDS) - 1:
+        return _check_obj(_upgrade(obj))
     if version != SCHEMA_VERSION or type(version) is not int:
         raise RecordError(f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
     if len(obj) != len(WIRE_FIELDS):
@@ -519,6 +554,14 @@ def _check_obj(obj: Any) -> tuple[Any, ...]:
                 f"{name}: {len(obj[i])} bytes is not a whole number of {dtype.itemsize}-byte items"
             )
     return obj
+
+
+_MASK_COLUMN = WIRE_FIELDS.index("action_mask")
+
+
+def _upgrade(obj: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A schema-2 wire tuple as schema 3: the action mask absent (empty)."""
+    return (SCHEMA_VERSION, *obj[1:_MASK_COLUMN], b"", *obj[_MASK_COLUMN:])
 
 
 def _build_checked(
@@ -553,6 +596,9 @@ def _build_checked(
         return None
     if (n_p + n_r > MAX_TOKENS).any():
         return None
+    n_m = sizes["action_mask"]
+    if ((n_m != 0) & (n_m != n_r)).any():
+        return None
     if _FINITE_COLUMNS:
         floats = np.array([cols[i] for i in _FINITE_COLUMNS], dtype=np.float64)
         if not np.isfinite(floats).all():
@@ -567,6 +613,11 @@ def _build_checked(
     pa, ra, la = joined["prompt_ids"], joined["response_ids"], joined["logprobs"]
     if pa.min() < 0 or ra.min() < 0 or not (la.min() > -np.inf and la.max() <= 1e-4):
         return None  # (NaN fails both comparisons)
+    ma = joined["action_mask"]
+    if ma.size:
+        firsts = np.cumsum(n_m)[n_m > 0] - n_m[n_m > 0]  # where each present mask starts
+        if ma.max() > 1 or not ma[firsts].all():
+            return None
     if limits is not NO_LIMITS and not limits.batch_ok(
         pa, ra, [cols[_COLUMN["reward"]], cols[_COLUMN["reward_raw"]]], n_p + n_r
     ):

@@ -44,7 +44,9 @@ def bellman_residual(
     """The trajectory-level soft Bellman residual Δ, shape [B].
 
     Args:
-        slp: [B] ``sum_t m_t log pi_theta(y_t | ...)`` (fp32, with grad).
+        slp: [B] ``sum_t m_t log pi_theta(y_t | ...)`` (fp32, with grad); ``m`` is 1 on the
+            model's own tokens only (a multi-turn episode's environment tokens are context, not
+            actions: the soft-Bellman chain telescopes over the actions, docs/tasks.md).
         v1: [B] ``V_theta(s1) = logsumexp`` of the logits that predict the first response token.
         slp_ref, v1_ref: [B] the same under the frozen reference (no grad).
         reward: [B] transformed reward.
@@ -138,7 +140,8 @@ def grpo_loss(
         logp: [B, T] current log-probs (with grad).
         old_logp: [B, T] log-probs of the policy that the ratio is taken against (no grad).
         advantages: [B] per-trajectory advantage, broadcast over tokens.
-        mask: [B, T] response mask.
+        mask: [B, T] response mask: 1 on the model's tokens (0 on padding, after EOS and on
+            a multi-turn episode's environment tokens).
         rollout_logp: [B, T] the generator's log-probs; with ``tis_cap > 0`` every token's loss is
             multiplied by ``min(exp(old_logp - rollout_logp), tis_cap)`` (a constant).
         denom: token count of the mini-batch (default: this batch's ``mask.sum()``).

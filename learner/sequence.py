@@ -40,8 +40,9 @@ class Batch:
     attention_mask: Tensor | None  # padded: [B, P+T] 1 on real tokens; packed: None
     position_ids: Tensor  # padded: [B, P+T] 0 at the first real prompt token; packed: [1, L]
     responses: Tensor  # [B, T] response ids (pad after the end)
-    mask: Tensor  # [B, T] 1 up to and including the first EOS, 0 after
-    rollout_logp: Tensor  # [B, T] behaviour log-probs (0 on padding)
+    mask: Tensor  # [B, T] 1 on the model's tokens: up to and including the first EOS (or an
+    # episode's action mask), 0 after and on padding
+    rollout_logp: Tensor  # [B, T] behaviour log-probs (0 on padding and environment tokens)
     reward: Tensor  # [B] transformed reward
     keep: Tensor | None = None
     """Packed: [N] the positions of the row whose hidden states reach the LM head (each
@@ -80,8 +81,11 @@ def eos_mask(responses: Tensor, eos_id: int) -> Tensor:
 
 
 def collate(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
-    """Pad B trajectories into a Batch. The mask is the EOS rule intersected with each
-    response's length, so padding and anything after the first EOS never count."""
+    """Pad B trajectories into a Batch. The mask is each response's length intersected with,
+    for a single-turn record, the EOS rule (padding and anything after the first EOS never
+    count) or, for a multi-turn episode, its ``action_mask`` (each of the model's turns ends with
+    its own EOS; the environment's tokens between them never count: they leave the log-prob
+    sums, V(s1) aside, and so the value terms and GRPO's token mean)."""
     if not trajectories:
         raise ValueError("cannot collate an empty batch")
     bsz = len(trajectories)
@@ -91,6 +95,8 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Bat
     attn = np.zeros((bsz, plen + tlen), dtype=np.int64)
     lens = np.zeros(bsz, dtype=np.int64)
     rlogp = np.zeros((bsz, tlen), dtype=np.float32)
+    actions = np.ones((bsz, tlen), dtype=np.float32)
+    episode = np.zeros(bsz, dtype=bool)
     for i, t in enumerate(trajectories):
         p, r = t.prompt_ids.size, t.response_ids.size
         ids[i, plen - p : plen] = t.prompt_ids
@@ -99,12 +105,18 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Bat
         attn[i, plen : plen + r] = 1
         rlogp[i, :r] = t.logprobs
         lens[i] = r
+        if t.action_mask.size:
+            actions[i, :r] = t.action_mask
+            episode[i] = True
     input_ids = torch.from_numpy(ids)
     attention_mask = torch.from_numpy(attn)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     responses = input_ids[:, plen:]
     in_len = (torch.arange(tlen)[None, :] < torch.from_numpy(lens)[:, None]).to(torch.float32)
-    mask = eos_mask(responses, eos_id) * in_len
+    rule = eos_mask(responses, eos_id)
+    if episode.any():
+        rule[torch.from_numpy(episode)] = 1.0
+    mask = rule * in_len * torch.from_numpy(actions)
     reward = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     return Batch(
         input_ids=input_ids,

@@ -40,6 +40,9 @@ below Redis's 512 MB string limit."""
 
 _Beta = Annotated[float, Field(ge=0, lt=1)]
 
+BUILTIN_ENVIRONMENTS = ("calculator",)
+"""``task.environment``'s built-in names (``rollout/environment.py`` maps each to its class)."""
+
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the offending field."""
@@ -164,6 +167,28 @@ class TaskConfig(_Section):
     """``math``: prompt template of the paper's appendix (through the tokenizer's chat template)."""
     max_prompt_tokens: int = Field(1024, ge=1)
     """Prompts longer than this are skipped (and counted)."""
+
+    # -- multi-turn environments (rollout/environment.py; docs/tasks.md, "Environments") --
+    environment: str | None = None
+    """An environment the model talks to over several turns: a built-in name (``calculator``: a
+    calculator tool for the word problems of ``reval make-data``) or ``package.module:Factory``
+    / ``path/to/file.py:Factory``, called with no arguments once per episode for an
+    ``Environment``. The episode's reward is the sum of the environment's rewards (the task's
+    verifier does not grade it). Unset: one answer per prompt, graded by the verifier."""
+    max_turns: int = Field(4, ge=1)
+    """``environment``: the model's turns per episode at most; an episode the environment has
+    not ended by then ends with finish reason ``length``."""
+    max_episode_tokens: int = Field(256, ge=1)
+    """``environment``: response tokens of an episode at most, the model's and the
+    environment's together (each turn generates at most ``rollout.max_new_tokens``); an episode
+    that reaches it ends with finish reason ``length``."""
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_imports(cls, value: str | None) -> str | None:
+        """A built-in name, or an import path that imports now (before any work starts)."""
+        if value is None or value in BUILTIN_ENVIRONMENTS:
+            return value
 
 
 class RolloutConfig(_Section):

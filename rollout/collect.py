@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from buffer.records import Trajectory
+from buffer.records import FinishReason, Trajectory
 from reval.rewards import RewardVariant, transform_rewards
 from rollout.engines import GenerationEngine, SamplingParams
+from rollout.environment import EpisodeRunner, skipped_counts
 from rollout.tasks import Prompt, Task, Verifier
+
+_NO_MASK = np.zeros(0, dtype=np.uint8)  # a single-turn answer: every token is an action
 
 
 @dataclass
@@ -21,9 +25,32 @@ class RoundResult:
     reward_mean: float
     """Mean raw reward (success rate of the round's samples)."""
     tokens: int
-    """Response tokens generated."""
+    """Response tokens generated (an episode's: the model's only)."""
     verify_s: float = 0.0
     """Seconds spent grading."""
+    turns_mean: float = 1.0
+    """The model's turns per answer (multi-turn episodes; 1 without an environment)."""
+    episodes_skipped: dict[str, int] = field(default_factory=dict)
+    """Episodes left out because their environment misbehaved, by reason
+    (``rollout.environment.SKIP_REASONS``)."""
+
+    def episode_stats(self) -> dict[str, object]:
+        """What a round of multi-turn episodes logs: ``turns_mean`` and ``episodes_skipped``."""
+        return {"turns_mean": self.turns_mean, "episodes_skipped": dict(self.episodes_skipped)}
+
+
+@dataclass
+class _Answer:
+    """One answer of the round before it is a record."""
+
+    row: int
+    prompt: Prompt
+    group: str
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    action_mask: np.ndarray
+    finish_reason: FinishReason
+    turns: int = 1
 
 
 def encode_prompts(
@@ -43,44 +70,61 @@ def collect_round(
     group_prefix: str,
     run_id: str = "",
     worker_id: str = "",
+    episodes: EpisodeRunner | None = None,
 ) -> RoundResult:
-    """Generate ``params.n`` answers per prompt, verify them, transform the rewards per group."""
+    """Generate ``params.n`` answers per prompt, verify them, transform the rewards per group.
+    With ``episodes`` (``task.environment``) each answer is a multi-turn episode, rewarded by
+    its environment; episodes whose environment misbehaved are left out and counted."""
     prompt_ids = encode_prompts(tokenizer, prompts)
-    samples = engine.generate(prompt_ids, params, seed)
-    rows: list[tuple[int, Prompt, str]] = []
-    pairs: list[tuple[Prompt, str]] = []
-    flat = []
-    for i, (prompt, group) in enumerate(zip(prompts, samples, strict=True)):
-        gid = f"{group_prefix}-{i}"
-        for s in group:
-            pairs.append((prompt, tokenizer.decode(s.token_ids, skip_special_tokens=True)))
-            rows.append((i, prompt, gid))
-            flat.append(s)
-    t0 = time.perf_counter()
-    raw = score_all(task.verifier, pairs)
+    answers: list[_Answer] = []
+    skipped: dict[str, int] = {}
+    if episodes is None:
+        samples = engine.generate(prompt_ids, params, seed)
+        for i, (prompt, group) in enumerate(zip(prompts, samples, strict=True)):
+            for s in group:
+                answers.append(_Answer(i, prompt, f"{group_prefix}-{i}", s.token_ids,
+                                       s.logprobs, _NO_MASK, s.finish_reason))  # fmt: skip
+        pairs = [(a.prompt, tokenizer.decode(a.token_ids, skip_special_tokens=True))
+                 for a in answers]  # fmt: skip
+        t0 = time.perf_counter()
+        raw = score_all(task.verifier, pairs)
+    else:
+        played = episodes.run(engine, tokenizer, prompts, prompt_ids, params, seed)
+        t0 = time.perf_counter()  # (the environments graded as the episodes ran)
+        skipped = skipped_counts(played)
+        raw = []
+        for i, (prompt, eps) in enumerate(zip(prompts, played, strict=True)):
+            for e in eps:
+                if e.error is None:
+                    ids, lps, mask = e.arrays()
+                    answers.append(_Answer(i, prompt, f"{group_prefix}-{i}", ids, lps, mask,
+                                           e.finish_reason, e.turns))  # fmt: skip
+                    raw.append(e.reward)
     verify_s = time.perf_counter() - t0
-    rewards = transform_rewards(raw, [gid for _, _, gid in rows], reward_variant)
+    rewards = transform_rewards(raw, [a.group for a in answers], reward_variant)
     trajectories = [
         Trajectory(
-            prompt_ids=prompt_ids[i],
-            response_ids=s.token_ids,
-            logprobs=s.logprobs,
+            prompt_ids=prompt_ids[a.row],
+            response_ids=a.token_ids,
+            logprobs=a.logprobs,
             reward_raw=r_raw,
             reward=r,
-            prompt_id=prompt.id,
-            group_id=gid,
-            finish_reason=s.finish_reason,
+            prompt_id=a.prompt.id,
+            group_id=a.group,
+            finish_reason=a.finish_reason,
             policy_version=engine.policy_version,
             worker_id=worker_id,
             run_id=run_id,
+            action_mask=a.action_mask,
         )
-        for (i, prompt, gid), s, r_raw, r in zip(rows, flat, raw, rewards, strict=True)
+        for a, r_raw, r in zip(answers, raw, rewards, strict=True)
     ]
-    tokens = sum(int(s.token_ids.size) for s in flat)
+    tokens = sum(int(a.action_mask.sum()) if a.action_mask.size else int(a.token_ids.size)
+                 for a in answers)  # fmt: skip
     mean = sum(raw) / len(raw) if raw else 0.0
-    return RoundResult(
-        trajectories=trajectories, reward_mean=mean, tokens=tokens, verify_s=verify_s
-    )
+    turns = sum(a.turns for a in answers) / len(answers) if answers else 0.0
+    return RoundResult(trajectories=trajectories, reward_mean=mean, tokens=tokens,
+                       verify_s=verify_s, turns_mean=turns, episodes_skipped=skipped)  # fmt: skip
 
 
 def score_all(verifier: Verifier, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
@@ -101,12 +145,20 @@ def evaluate(
     temperature: float,
     max_new_tokens: int,
     seed: int,
+    episodes: EpisodeRunner | None = None,
 ) -> float:
-    """avg@n: per prompt the mean 0/1 score of n sampled answers, then the mean over prompts."""
+    """avg@n: per prompt the mean 0/1 score of n sampled answers, then the mean over prompts.
+    With ``episodes`` an answer is an episode scored by its environment's reward (one whose
+    environment misbehaved scores 0)."""
     params = SamplingParams(
         n=samples_per_prompt, temperature=temperature, max_new_tokens=max_new_tokens
     )
-    samples = engine.generate(encode_prompts(tokenizer, prompts), params, seed)
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    if episodes is not None:
+        played = episodes.run(engine, tokenizer, prompts, prompt_ids, params, seed)
+        means = [sum(e.reward if e.error is None else 0.0 for e in g) / len(g) for g in played]
+        return sum(means) / len(means)
+    samples = engine.generate(prompt_ids, params, seed)
     per_prompt = []
     for prompt, group in zip(prompts, samples, strict=True):
         scores = score_all(

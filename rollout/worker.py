@@ -42,6 +42,7 @@ from reval.weights.receiver import build_subscriber
 from rollout.collect import collect_round
 from rollout.dealer import PromptDealer
 from rollout.engines import GenerationEngine, HFEngine, SamplingParams
+from rollout.environment import EpisodeRunner
 from rollout.tasks import Task, build_task
 
 log = logging.getLogger("reval.rollout")
@@ -188,6 +189,8 @@ class RolloutWorker:
         self.task: Task = build_task(
             cfg.task, cfg.seed, self.tokenizer, cfg.rollout, self.metrics.registry
         )
+        self.episodes = EpisodeRunner.from_config(cfg.task)
+        """The multi-turn environment of ``task.environment`` (None: single-turn answers)."""
         self.ring = make_producer(b, cfg.name, metrics=BufferMetrics(self.metrics.registry))
         self.dealer = PromptDealer(
             self.client, b.key_prefix, cfg.name, list(self.task.prompts), seed=cfg.seed
@@ -433,7 +436,11 @@ class RolloutWorker:
             group_prefix=f"{self.worker_id}-{self.stats.batches}",
             run_id=self.cfg.name,
             worker_id=self.worker_id,
+            episodes=self.episodes,
         )
+        if result.episodes_skipped:
+            log.warning("worker %s: episodes skipped (their environment misbehaved): %s",
+                        self.worker_id, result.episodes_skipped)  # fmt: skip
         seconds = time.perf_counter() - t0
         self.ring.insert(result.trajectories)  # never waits for the learner; spools if needed
         self.stats.batches += 1

@@ -34,6 +34,7 @@ from reval.policy import Policy, compute_dtype
 from rollout.collect import collect_round, evaluate
 from rollout.dealer import PromptDealer
 from rollout.engines import HFEngine, SamplingParams
+from rollout.environment import EpisodeRunner
 from rollout.tasks import Prompt, Task
 from services.setup import build_policy_and_task, exact_success
 
@@ -127,6 +128,7 @@ def train(
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
     writer = JsonlWriter(run_dir / "metrics.jsonl") if cfg.metrics.jsonl else None
     dealer = PromptDealer(None, "", cfg.name, list(task.prompts), seed=cfg.seed)
+    episodes = EpisodeRunner.from_config(cfg.task)  # (task.environment: multi-turn episodes)
     params = SamplingParams(
         n=cfg.rollout.n,
         temperature=cfg.rollout.temperature,
@@ -144,6 +146,7 @@ def train(
             cfg.eval.temperature,
             cfg.rollout.max_new_tokens,
             seed=cfg.seed * 1000003 + round_idx,
+            episodes=episodes,
         )
 
     exact = exact_success(task, policy)
@@ -178,6 +181,7 @@ def train(
             group_prefix=f"r{rnd}",
             run_id=cfg.name,
             worker_id="embedded",
+            episodes=episodes,
         )
         t_gen = time.perf_counter() - t0
         buffer.set_policy_version(learner.step)
@@ -210,6 +214,7 @@ def train(
             "policy_version": learner.step,
             "reward_mean": result.reward_mean,
             "tokens": result.tokens,
+            **({} if episodes is None else result.episode_stats()),
             "buffer_size": len(buffer),
             "evicted": evicted,
             "buffer_evicted_unused": stats.evicted_unused,

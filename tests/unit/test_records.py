@@ -59,7 +59,7 @@ def _wire(**changes):
         ({"finish_reason": "abort"}, "finish_reason"),
         ({"use_count": -1}, "use_count must be >= 0"),
         ({"ref_value": float("nan")}, "ref_value is not finite"),
-        ({"extra": 1}, "19 fields"),
+        ({"extra": 1}, f"{len(WIRE_FIELDS) + 1} fields"),
     ],
 )
 def test_bad_records_are_rejected_with_a_clear_error(changes, message):
@@ -70,7 +70,7 @@ def test_bad_records_are_rejected_with_a_clear_error(changes, message):
 def test_missing_field_and_garbage():
     d = make_traj(1).to_wire()
     del d["reward"]
-    with pytest.raises(RecordError, match="17 fields"):
+    with pytest.raises(RecordError, match=f"{len(WIRE_FIELDS) - 1} fields"):
         decode(pack_wire(d))
     with pytest.raises(RecordError):
         decode(b"\xc1\xff\x00")
@@ -242,19 +242,29 @@ def _assert_same(a: Trajectory, b: Trajectory) -> None:
 
 @pytest.mark.parametrize("ref_version", [4, None])
 def test_bytes_of_the_old_codec_are_unchanged(ref_version):
-    """The derived codec writes exactly what the hand-written one wrote, and reads it back."""
+    """The derived codec writes what the hand-written one wrote (schema 2), with only the
+    version bumped and the absent action mask (empty bytes) before ``use_count`` (schema 3);
+    the schema-2 bytes still decode, with the mask absent (every token an action)."""
     old = _OLD_CODE_BYTES[f"ref_version={ref_version}"]
     t = _fixture_record(ref_version)
-    assert encode(t) == old
-    assert encode_many([t, t]) == [old, old]
-    assert pack_wire(t.to_wire()) == old
-    assert encode(dataclasses.replace(t, reward_raw=1)) == old  # an int still travels as a float
-    _assert_same(decode(old), t)
-    good, bad = decode_many([old, old])
-    assert not bad and len(good) == 2
-    for back in good:
+    old_row = msgpack.unpackb(old)
+    assert old_row[0] == 2
+    new = msgpack.packb([SCHEMA_VERSION, *old_row[1:-1], b"", old_row[-1]], use_bin_type=True)
+    assert encode(t) == new
+    assert encode_many([t, t]) == [new, new]
+    assert pack_wire(t.to_wire()) == new
+    assert encode(dataclasses.replace(t, reward_raw=1)) == new  # an int still travels as a float
+    for blob in (old, new):
+        back = decode(blob)
         _assert_same(back, t)
-    assert encode(decode(old)) == old
+        assert back.action_mask.size == 0
+        good, bad = decode_many([blob, blob])
+        assert not bad and len(good) == 2
+        for b in good:
+            _assert_same(b, t)
+        assert encode(decode(blob)) == new
+    good, bad = decode_many([old, new])  # a batch of both schemas
+    assert not bad and len(good) == 2
 
 
 _DEFAULTS = {
@@ -269,6 +279,8 @@ def _distinct_value(name: str, kind: WireKind, seed: int) -> object:
     value and from the same field's value in another record (``seed``)."""
     k = 10 * seed + list(WIRE_KINDS).index(name)
     if kind.dtype is not None:
+        if kind.dtype == np.uint8:  # the action mask: 0/1 over the 4 response tokens, first 1
+            return np.array([1, seed % 2, 1 - seed % 2, 1], dtype=np.uint8)
         if kind.dtype == np.int32:
             return np.arange(100 * k + 3, 100 * k + 7, dtype=np.int32)
         return -np.linspace(0.5, 2.0, 4, dtype=kind.dtype) - k

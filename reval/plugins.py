@@ -1,0 +1,65 @@
+"""User code named in the config by import path: ``package.module:name`` (an importable module)
+or ``path/to/file.py:name`` (a file anywhere, imported under a name of its own). Torch-free, so
+the config can check at load time that what a field names imports, before any work starts."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """(module or file, attribute path) of ``spec``; ValueError when it is not of either form."""
+    module, colon, name = spec.strip().rpartition(":")
+    if not colon or not module or not name or not all(p.isidentifier() for p in name.split(".")):
+        raise ValueError(f"{spec!r} is not 'package.module:name' or 'path/to/file.py:name'")
+    return module, name
+
+
+def load_object(spec: str) -> Any:
+    """The object ``spec`` names, its module imported (a file once per path: a second load
+    returns the same module). ValueError, in one line, when the module or the file cannot be
+    imported (whatever it raised) or has no such name."""
+    module_name, name = split_spec(spec)
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(Path(module_name).expanduser())
+        else:
+            module = importlib.import_module(module_name)
+    except ValueError:
+        raise
+    except Exception as err:  # a user's module may raise anything while it imports
+        raise ValueError(
+            f"cannot import {module_name!r}: {type(err).__name__}: {err}".splitlines()[0]
+        ) from None
+    obj: Any = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no {name!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _import_file(path: Path) -> Any:
+    path = path.resolve()
+    if not path.is_file():
+        raise ValueError(f"no file {str(path)!r}")
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    name = f"reval_user_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    found = importlib.util.spec_from_file_location(name, path)
+    if found is None or found.loader is None:
+        raise ValueError(f"cannot import {str(path)!r} as a Python file")
+    module = importlib.util.module_from_spec(found)
+    sys.modules[name] = module  # (dataclasses and pickling look a module up by its name)
+    try:
+        found.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
