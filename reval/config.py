@@ -149,20 +149,36 @@ class ModelConfig(_Section):
 class TaskConfig(_Section):
     """The prompts and the verifier that scores answers."""
 
-    kind: Literal["addition", "oneshot", "math"] = "addition"
+    kind: Literal["addition", "oneshot", "math", "custom"] = "addition"
     """``addition``: every ``a+b=`` with single digits (100 prompts, answers 0..18), the model must
     learn a function. ``oneshot``: a single prompt whose accepted answers are chosen so that the
     initial policy succeeds with probability ``oneshot_base_success``. ``math``: a DeepScaleR-format
-    dataset (``problem``, ``answer``) graded on its last ``\\boxed{}``."""
+    dataset (``problem``, ``answer``) graded on its last ``\\boxed{}``. ``custom``: any dataset
+    (``dataset``, ``prompt_field``) graded by ``reward``; setting ``reward`` alone selects it
+    (docs/tasks.md)."""
     max_operand: int = Field(9, ge=1, le=99)
     """``addition``: operands run over 0..max_operand."""
     oneshot_base_success: float = Field(0.4, gt=0, lt=1)
     """``oneshot``: success rate of the initial policy (the paper's hard/medium/easy are about
     0.10 / 0.40 / 0.68)."""
     dataset: str | None = None
-    """``math``: a local JSONL/parquet file or a ``datasets`` hub name."""
+    """``math``, ``custom``: a local JSONL/parquet file or a ``datasets`` hub name."""
     split: str = "train"
-    """``math``: dataset split to read."""
+    """``math``, ``custom``: dataset split to read."""
+    prompt_field: str = "prompt"
+    """``custom``: the column holding the prompt: a string, or a list of chat messages
+    (``{"role", "content"}``) put through the tokenizer's chat template. Every other column of
+    the row is the reward's ``metadata``."""
+    reward: str | None = None
+    """``custom``: the reward function, ``package.module:function`` or ``path/to/file.py:function``
+    (built-ins: ``rollout.graders:math_boxed``, ``exact_match``, ``regex_format``,
+    ``code_tests``, ``http_reward``). Called as ``f(prompt, completion, metadata,
+    **reward_args)`` in the grading processes; returns a float, or a dict whose ``score`` is the
+    reward and whose other numbers are logged components. ``f.batched = True``: called once with
+    lists; an ``async def`` is awaited (docs/tasks.md)."""
+    reward_args: dict[str, Any] = Field(default_factory=dict)
+    """``custom``: keyword arguments of every ``reward`` call (a built-in's ``pattern``, ``url``,
+    ``field``...)."""
     template: Literal["plain", "r1_distill", "qwen_math"] = "plain"
     """``math``: prompt template of the paper's appendix (through the tokenizer's chat template)."""
     max_prompt_tokens: int = Field(1024, ge=1)
@@ -189,6 +205,40 @@ class TaskConfig(_Section):
         """A built-in name, or an import path that imports now (before any work starts)."""
         if value is None or value in BUILTIN_ENVIRONMENTS:
             return value
+        from reval.plugins import load_object
+
+        factory = load_object(value)
+        if not callable(factory):
+            raise ValueError(f"{value!r} is not callable (a class or a function)")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_selects_custom(cls, data: Any) -> Any:
+        """A ``reward`` makes the task ``custom``, whatever ``kind`` a preset says: a user sets
+        the dataset, the prompt field and the reward, nothing else."""
+        if isinstance(data, dict) and data.get("reward") is not None:
+            return {**data, "kind": "custom"}
+        return data
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_spec(cls, value: str | None) -> str | None:
+        if value is not None:
+            module, colon, name = value.strip().rpartition(":")
+            if not colon or not module or not name.replace(".", "").replace("_", "a").isalnum():
+                raise ValueError(
+                    f"{value!r} is not 'package.module:function' or 'path/to/file.py:function'"
+                )
+            return value.strip()
+        return value
+
+    @model_validator(mode="after")
+    def _custom_needs(self) -> TaskConfig:
+        if self.kind == "custom" and (self.reward is None or self.dataset is None):
+            missing = "task.reward" if self.reward is None else "task.dataset"
+            raise ValueError(f"task.kind=custom needs {missing} (docs/tasks.md)")
+        return self
 
 
 class RolloutConfig(_Section):

@@ -4,16 +4,23 @@
 local path or a hub name. A name that can only be a local path (``looks_local``) is checked here:
 a missing one is one line at once (``ModelNotFound``, ``DatasetNotFound``) naming the field, the
 path, the nearest existing one and what to do, never a minute of hub retries and a traceback.
+
+``task.reward`` names a function by import path (``package.module:function``) or by file
+(``path/to/file.py:function``), loaded by ``reval.plugins.load_object`` (``load_reward``: the config
+check here and the grading processes, ``rollout/rewards.py``); ``check_reward`` refuses, in one line
+naming the field, a path that does not import, a missing or uncallable name, or a function that
+cannot be called with the task's arguments.
 """
 
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PureWindowsPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from reval.config import RunConfig
@@ -136,17 +143,66 @@ def check_dataset(source: str, field: str = "task.dataset") -> Path | None:
     )
 
 
+class RewardNotFound(ValueError):
+    """A ``task.reward`` that cannot be loaded or called, in one line naming the field."""
+
+
+def reward_file(spec: str) -> str | None:
+    """The file of a ``path/to/file.py:function`` reward spec; None for ``module:function``."""
+    module = spec.rpartition(":")[0]
+    return module if module.endswith(".py") else None
+
+
+def load_reward(spec: str, field: str = "task.reward") -> Callable[..., Any]:
+    """The callable a reward spec names, loaded by ``reval.plugins.load_object`` (the one loader
+    of user code; a file is imported once per process). Raises ``RewardNotFound``."""
+    from reval.plugins import load_object
+
+    path = reward_file(spec)
+    if path is not None and not Path(path).expanduser().is_file():
+        raise RewardNotFound(
+            f"{field}: the file {path!r} does not exist{_hint(Path(path), Path.is_file)}"
+        )
+    try:
+        target = load_object(spec)
+    except ValueError as err:
+        raise RewardNotFound(f"{field}: {err}") from None
+    if not callable(target):
+        raise RewardNotFound(f"{field}: {spec!r} is a {type(target).__name__}, not a function")
+    return target  # type: ignore[no-any-return]
+
+
+def check_reward(spec: str, args: Mapping[str, Any], field: str = "task.reward") -> None:
+    """``spec`` loads (``load_reward``) and its function takes the task's call: ``(prompt,
+    completion, metadata, **args)``, or lists of each when it is batched (``batched = True``).
+    Raises ``RewardNotFound``."""
+    fn = load_reward(spec, field)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # (a builtin without a signature: called as it is)
+        return
+    batched = getattr(fn, "batched", False) is True
+    try:
+        sig.bind(*(([], [], []) if batched else ("", "", {})), **args)
+    except TypeError as err:
+        raise RewardNotFound(f"{field}: {spec} cannot be called as f(prompt, completion, "
+                             f"metadata, **task.reward_args): {err}") from None  # fmt: skip
+
+
 def check_run_paths(
     cfg: RunConfig, model_field: str = "model.name_or_path", held_out: bool = False
 ) -> None:
     """Every local path a run reads, checked before torch is imported: ``model.name_or_path``
-    (named ``model_field``: ``--checkpoint`` for ``reval eval``), ``task.dataset`` of a math
-    task and, with ``held_out`` (``reval train``, which evaluates on it), its ``eval.dataset``.
-    Raises ``ModelNotFound``, ``DatasetNotFound`` or a ValueError, each one line naming the
-    field."""
+    (named ``model_field``: ``--checkpoint`` for ``reval eval``), ``task.dataset`` of a math or
+    custom task and, with ``held_out`` (``reval train``, which evaluates on it), its
+    ``eval.dataset``; a custom task's ``task.reward`` (``check_reward``). Raises
+    ``ModelNotFound``, ``DatasetNotFound``, ``RewardNotFound`` or a ValueError, each one line
+    naming the field."""
     if cfg.model.name_or_path is not None:
         check_model(cfg.model.name_or_path, model_field, local_roots=(cfg.output_dir,))
-    if cfg.task.kind == "math":
+    if cfg.task.reward is not None:
+        check_reward(cfg.task.reward, cfg.task.reward_args)
+    if cfg.task.kind in ("math", "custom"):
         sources = [("task.dataset", cfg.task.dataset)]
         if held_out:
             sources.append(("eval.dataset", cfg.eval.dataset))

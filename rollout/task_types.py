@@ -6,9 +6,9 @@ them from here without importing each other."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,11 @@ class Prompt:
     """What the model is conditioned on."""
     answer: str
     """Gold answer, as the verifier reads it."""
+    raw: Any = field(default=None, compare=False, repr=False)
+    """A custom task's prompt as its dataset holds it (a string or chat messages), handed to
+    the reward function; ``text`` is what the model reads."""
+    metadata: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """A custom task's other columns of the row, handed to the reward function."""
 
 
 class Verifier(Protocol):

@@ -2,10 +2,13 @@
 
 ``MathVerify`` is the grading function: the last ``\\boxed{...}`` of a response against the gold
 answer. It is the one grader of math answers: ``reval train``, the rollout workers and
-``reval eval`` all grade through ``PooledVerifier``/``VerifierPool``. Cheap decisions come first
-and need no sympy (no box: 0; require_think without ``</think>``: 0; the normalized strings
-equal, ``normalize_answer``: 1; multiple choice: letters compared); the rest goes through
-math-verify's ``parse`` and ``verify`` (gold and answer both read as ``\\boxed{...}`` LaTeX;
+``reval eval`` all grade through ``PooledVerifier``/``VerifierPool``. The pool runs any
+``PoolGrader``: a custom task's reward function (``rollout/rewards.py``: ``RewardFunction``)
+grades in the same processes, under the same deadline, with the same accounting.
+
+Cheap decisions come first and need no sympy (no box: 0; require_think without ``</think>``: 0; the
+normalized strings equal, ``normalize_answer``: 1; multiple choice: letters compared); the rest goes
+through math-verify's ``parse`` and ``verify`` (gold and answer both read as ``\\boxed{...}`` LaTeX;
 math-verify's defaults: numbers rounded to 6 places, strict variables, ``x = 3`` read as ``3``
 against a gold ``3``).
 
@@ -31,7 +34,10 @@ Metrics (``prometheus_client``, on the registry given to the pool or one of its 
 | ``reval_verifier_fast_path_total`` | counter | answers decided without a worker |
 | ``reval_verifier_errors_total{reason}`` | counter | ``timeout`` (math-verify's alarm or the
   pool's deadline), ``crash`` (a worker died), ``error`` (an exception while grading),
-  ``too_long`` (boxed answer over ``max_answer_chars``), ``startup`` (a worker failed to start) |
+  ``too_long`` (boxed answer over ``max_answer_chars``), ``startup`` (a worker failed to start),
+  ``not_a_number`` (a reward that is no number, or a dict without a numeric ``score``),
+  ``not_finite`` (a NaN or infinite reward) |
+| ``reval_reward_component{name}`` | summary | a custom reward's named components, per answer |
 | ``reval_verifier_latency_seconds`` | histogram | one answer in a worker, dispatch to result |
 | ``reval_verifier_workers`` | gauge | workers started and ready |
 """
@@ -54,9 +60,9 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
 
 from reval.procs import follow_parent
 
@@ -65,7 +71,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("reval.verify")
 
-ERROR_REASONS = ("timeout", "crash", "error", "too_long", "startup")
+REWARD_REASONS = ("not_a_number", "not_finite")
+"""What a custom reward function returned that is not a reward (``rollout/rewards.py``)."""
+ERROR_REASONS = ("timeout", "crash", "error", "too_long", "startup", *REWARD_REASONS)
 
 # -- extraction (pure string work, no sympy) -------------------------------------------------------
 
@@ -155,12 +163,48 @@ def normalize_answer(ans: str) -> str:
 
 
 class Precheck(NamedTuple):
-    """What ``MathVerify.precheck`` decided: a ``score``, or the ``pred`` that needs sympy."""
+    """What a grader's ``precheck`` decided in the caller's process: a ``score``, or (``score``
+    None) the answer goes to a worker with ``pred`` (math: the extracted boxed answer)."""
 
     score: float | None
     pred: str | None = None
     reason: str | None = None
     """An error reason (``ERROR_REASONS``) when the answer was refused."""
+
+
+class Graded(NamedTuple):
+    """One answer graded in a worker: its score, the error reason that made it 0 (None when it
+    was graded), a detail for the log, and the named components of a custom reward."""
+
+    score: float
+    reason: str | None = None
+    detail: str = ""
+    components: dict[str, float] | None = None
+
+
+class PoolGrader(Protocol):
+    """What ``VerifierPool`` runs (``MathVerify``, ``rewards.RewardFunction``); picklable, sent
+    to each worker process once. An item is the tuple a caller hands ``score_many``."""
+
+    batched: bool
+    """True: the answers of one ``score_many`` call go to the workers in chunks (one chunk per
+    worker, deadline ``timeout`` times its size); False: one answer per task."""
+
+    def item(self, prompt: Prompt, response: str) -> tuple[Any, ...]:
+        """The item grading ``response`` to ``prompt`` needs."""
+        ...
+
+    def precheck(self, *item: Any) -> Precheck:
+        """The caller's side: a decision without a worker, or what goes to one."""
+        ...
+
+    def grade_many(self, work: Sequence[tuple[tuple[Any, ...], str | None]]) -> list[Graded]:
+        """The worker's side: ``(item, pred)`` pairs graded, in order (main thread)."""
+        ...
+
+    def warm_up(self) -> None:
+        """Load what the first answer would (a worker's start)."""
+        ...
 
 
 # -- math-verify, in the main thread of a process ------------------------------------------------
@@ -215,6 +259,7 @@ class MathVerify:
 
     require_think: bool = False
     multiple_choice: bool = False
+    batched = False  # (a class attribute: one answer per task)
     choices: str = "ABCD"
     parsing_timeout: int = 1
     verify_timeout: int = 2
@@ -315,6 +360,13 @@ class MathVerify:
                 return 0.0, "timeout", "math-verify timeout"
             raise
 
+    def item(self, prompt: Prompt, response: str) -> tuple[str, str]:
+        return (prompt.answer, response)
+
+    def grade_many(self, work: Sequence[tuple[tuple[Any, ...], str | None]]) -> list[Graded]:
+        """``((gold, response), pred)`` pairs: each extracted answer against its gold."""
+        return [Graded(*self.grade_extracted(item[0], str(pred))) for item, pred in work]
+
     def grade(self, gold: str, response: str) -> float:
         """Reward of ``response`` against ``gold``, graded in this process (main thread)."""
         pre = self.precheck(gold, response)
@@ -335,9 +387,9 @@ class MathVerify:
 # -- worker process -------------------------------------------------------------------------------
 
 
-def _worker_main(conn: Connection, grader: MathVerify) -> None:
-    """A worker's main thread: ``(task_id, gold, pred)`` in, ``(task_id, score, reason, detail)``
-    out; ``None`` or EOF ends it."""
+def _worker_main(conn: Connection, grader: PoolGrader) -> None:
+    """A worker's main thread: ``(task_id, [(item, pred), ...])`` in, ``(task_id, [Graded,
+    ...])`` out; ``None`` or EOF ends it."""
     # Ends with the pool's process (or, under forkserver, the server that forked it), even by
     # SIGKILL and while sympy is busy; an idle worker also ends on its pipe's EOF.
     follow_parent(os.getppid(), signal.SIGKILL, what="grading worker")
@@ -353,8 +405,8 @@ def _worker_main(conn: Connection, grader: MathVerify) -> None:
             return
         if msg is None:
             return
-        task_id, gold, pred = msg
-        conn.send((task_id, *grader.grade_extracted(gold, pred)))
+        task_id, work = msg
+        conn.send((task_id, grader.grade_many(work)))
 
 
 # -- the pool ------------------------------------------------------------------------------------
@@ -379,6 +431,12 @@ class VerifierMetrics:
             registry=r,
         )
         self.workers = Gauge("reval_verifier_workers", "Workers started and ready", registry=r)
+        self.components = Summary(
+            "reval_reward_component",
+            "A custom reward's named components, per answer (rate of _sum over _count: the mean)",
+            ["name"],
+            registry=r,
+        )
 
     def error_count(self, reason: str) -> float:
         value = self.registry.get_sample_value("reval_verifier_errors_total", {"reason": reason})
@@ -386,17 +444,17 @@ class VerifierMetrics:
 
 
 class _Batch:
-    """Results of one ``score_many`` call; the dispatcher fills them."""
+    """Results of one ``grade_many`` call; the dispatcher fills them."""
 
     def __init__(self, n: int) -> None:
-        self.results = [0.0] * n
+        self.results = [Graded(0.0)] * n
         self.remaining = n
         self.error: BaseException | None = None
         self.done = threading.Event()
         if n == 0:
             self.done.set()
 
-    def resolve(self, index: int, value: float) -> None:
+    def resolve(self, index: int, value: Graded) -> None:
         self.results[index] = value
         self.remaining -= 1
         if self.remaining <= 0:
@@ -409,10 +467,11 @@ class _Batch:
 
 @dataclass
 class _Task:
+    """Answers sent to one worker together: ``work[j]`` is answer ``indices[j]`` of ``batch``."""
+
     batch: _Batch
-    index: int
-    gold: str
-    pred: str
+    indices: list[int]
+    work: list[tuple[tuple[Any, ...], str | None]]
     timeout: float
     id: int = 0
 
@@ -430,17 +489,19 @@ class _Worker:
 
 
 class VerifierPool:
-    """``MathVerify`` in ``workers`` processes, with a deadline of ``timeout`` seconds per answer.
+    """A ``PoolGrader`` (default ``MathVerify``) in ``workers`` processes, with a deadline of
+    ``timeout`` seconds per answer.
 
-    Implements ``Verifier`` (``score``) and ``score_many([(gold, response), ...])``; both may be
-    called from any number of threads. An answer that passes its deadline scores 0, its worker is
-    SIGKILLed and replaced; an answer whose worker dies scores 0. Raises RuntimeError when the
-    pool is closed, or when workers repeatedly fail to start (``max_start_failures`` in a row).
+    Implements ``Verifier`` (``score``), ``score_many([item, ...])`` (math: ``(gold, response)``)
+    and ``grade_many`` (the same with each answer's ``Graded``); all may be called from any
+    number of threads. An answer that passes its deadline scores 0, its worker is SIGKILLed and
+    replaced; an answer whose worker dies scores 0. Raises RuntimeError when the pool is closed,
+    or when workers repeatedly fail to start (``max_start_failures`` in a row).
     """
 
     def __init__(
         self,
-        grader: MathVerify | None = None,
+        grader: PoolGrader | None = None,
         workers: int = 2,
         timeout: float = 5.0,
         registry: CollectorRegistry | None = None,
@@ -460,7 +521,7 @@ class VerifierPool:
             raise ValueError(
                 "mp_context: 'spawn' or 'forkserver' (fork from a threaded parent is unsafe)"
             )
-        self.grader = grader if grader is not None else MathVerify()
+        self.grader: PoolGrader = grader if grader is not None else MathVerify()
         self.size = workers
         self.timeout = timeout
         self.start_timeout = start_timeout
@@ -475,6 +536,7 @@ class VerifierPool:
         self._pids: list[int] = []
         self._ids = itertools.count(1)
         self._start_failures = 0
+        self._warned: set[str] = set()  # error reasons logged once as a warning
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._workers: list[_Worker] = []  # the dispatcher's own
@@ -485,30 +547,42 @@ class VerifierPool:
     # -- callers' side
 
     def score(self, prompt: Prompt, response: str) -> float:
-        return self.score_many([(prompt.answer, response)])[0]
+        return self.score_many([self.grader.item(prompt, response)])[0]
 
     def score_many(
-        self, items: Sequence[tuple[str, str]], timeout: float | None = None
+        self, items: Sequence[tuple[Any, ...]], timeout: float | None = None
     ) -> list[float]:
-        """Rewards of ``(gold answer, response)`` pairs, in order. ``timeout`` overrides the
-        pool's deadline per answer (seconds, from dispatch to a worker)."""
+        """Rewards of the grader's items (math: ``(gold answer, response)`` pairs), in order.
+        ``timeout`` overrides the pool's deadline per answer (seconds, from dispatch)."""
+        return [g.score for g in self.grade_many(items, timeout)]
+
+    def grade_many(
+        self, items: Sequence[tuple[Any, ...]], timeout: float | None = None
+    ) -> list[Graded]:
+        """Each item's ``Graded``, in order (see ``score_many``)."""
         deadline = self.timeout if timeout is None else timeout
         if deadline <= 0:
             raise ValueError("timeout must be > 0")
         t0 = time.perf_counter()
-        prechecks = [self.grader.precheck(gold, response) for gold, response in items]
+        prechecks = [self.grader.precheck(*item) for item in items]
         batch = _Batch(len(items))
-        tasks: list[_Task] = []
+        slow: list[int] = []
         fast = 0
-        for i, ((gold, _), pre) in enumerate(zip(items, prechecks, strict=True)):
+        for i, pre in enumerate(prechecks):
             if pre.score is not None:
-                batch.resolve(i, pre.score)
+                batch.resolve(i, Graded(pre.score, pre.reason))
                 fast += 1
                 if pre.reason is not None:
                     self.metrics.errors.labels(pre.reason).inc()
             else:
-                assert pre.pred is not None
-                tasks.append(_Task(batch, i, gold, pre.pred, deadline))
+                slow.append(i)
+        # A batched grader gets one chunk per worker; any other one answer per task.
+        per = -(-len(slow) // self.size) if self.grader.batched else 1
+        tasks = [
+            _Task(batch, part, [(tuple(items[i]), prechecks[i].pred) for i in part],
+                  deadline * len(part))
+            for part in (slow[k : k + per] for k in range(0, len(slow), max(per, 1)))
+        ]  # fmt: skip
         self.metrics.answers.inc(len(items))
         if fast:
             self.metrics.fast_path.inc(fast)
@@ -642,7 +716,7 @@ class VerifierPool:
                     continue
                 if w.task is not None and now > w.sent + w.task.timeout:
                     self._kill(w)
-                    self._finish(w, 0.0, "timeout", "deadline passed: worker killed")
+                    self._fail_task(w, "timeout", "deadline passed: worker killed")
                 elif not w.ready and now > w.started + self.start_timeout:
                     self._died(w, "startup")
 
@@ -662,7 +736,7 @@ class VerifierPool:
         task.id = next(self._ids)
         w.task, w.sent = task, time.monotonic()
         try:
-            w.conn.send((task.id, task.gold, task.pred))
+            w.conn.send((task.id, task.work))
         except (OSError, ValueError):  # died before it could read: the answer is not lost
             w.task = None
             with self._lock:
@@ -681,20 +755,37 @@ class VerifierPool:
                         self.metrics.workers.set(len(self._pids))
                         self._ready_cond.notify_all()
                     continue
-                task_id, value, reason, detail = msg
+                task_id, graded = msg
                 if w.task is not None and w.task.id == task_id:
-                    self._finish(w, float(value), reason, detail)
+                    self._finish(w, [Graded(*g) for g in graded])
         except (EOFError, OSError, ValueError, TypeError):
             self._died(w, "crash")
 
-    def _finish(self, w: _Worker, value: float, reason: str | None, detail: str) -> None:
+    def _finish(self, w: _Worker, graded: list[Graded]) -> None:
         task, w.task = w.task, None
         assert task is not None
+        if len(graded) != len(task.indices):  # (a grader's bug: every answer of the task fails)
+            graded = [Graded(0.0, "error", f"{len(graded)} results for {len(task.indices)}")] * len(
+                task.indices
+            )
         self.metrics.latency.observe(time.monotonic() - w.sent)
-        if reason is not None:
-            self.metrics.errors.labels(reason).inc()
-            log.debug("answer %r scored 0 (%s): %s", task.pred[:200], reason, detail)
-        task.batch.resolve(task.index, value)
+        for index, (item, _), g in zip(task.indices, task.work, graded, strict=True):
+            if g.reason is not None:
+                self.metrics.errors.labels(g.reason).inc()
+                first = g.reason not in self._warned and g.reason in ("error", *REWARD_REASONS)
+                self._warned.add(g.reason)
+                log.log(logging.WARNING if first else logging.DEBUG,
+                        "answer %r scored 0 (%s): %s%s", str(item[1])[:200], g.reason, g.detail,
+                        " (the next ones are counted in reval_verifier_errors_total)"
+                        if first else "")  # fmt: skip
+            for name, value in (g.components or {}).items():
+                self.metrics.components.labels(name).observe(value)
+            task.batch.resolve(index, g)
+
+    def _fail_task(self, w: _Worker, reason: str, detail: str) -> None:
+        """Every answer of the worker's task scores 0 for ``reason``."""
+        assert w.task is not None
+        self._finish(w, [Graded(0.0, reason, detail)] * len(w.task.indices))
 
     def _died(self, w: _Worker, reason: str) -> None:
         """A worker is gone (crash or failed start): its answer scores 0."""
@@ -702,7 +793,7 @@ class VerifierPool:
             return
         self._kill(w)
         if w.task is not None:
-            self._finish(w, 0.0, "crash", f"worker {w.pid} died")
+            self._fail_task(w, "crash", f"worker {w.pid} died")
         elif reason == "crash" and w.ready:
             self.metrics.errors.labels("crash").inc()
         if not w.ready:
@@ -750,14 +841,16 @@ class VerifierPool:
 
 
 class PooledVerifier:
-    """The ``Verifier`` of math tasks: ``grader`` in a ``VerifierPool`` of ``workers`` processes,
-    started on the first answer graded (a task that is built and never graded starts none), a
-    batch of (prompt, response) pairs per ``score_many``. ``reval train``, the rollout workers and
-    ``reval eval`` grade through it, so an answer earns the same reward in every loop."""
+    """The ``Verifier`` of math and custom tasks: ``grader`` (``MathVerify``, a custom task's
+    ``RewardFunction``) in a ``VerifierPool`` of ``workers`` processes, started on the first
+    answer graded (a task that is built and never graded starts none), a batch of (prompt,
+    response) pairs per ``score_many``. ``reval train``, the rollout workers and ``reval eval``
+    grade through it, so an answer earns the same reward in every loop. A custom reward's
+    components are kept for ``drain_components`` (and observed on the pool's metrics)."""
 
     def __init__(
         self,
-        grader: MathVerify,
+        grader: PoolGrader,
         workers: int = 2,
         timeout: float = 5.0,
         registry: CollectorRegistry | None = None,
@@ -769,10 +862,11 @@ class PooledVerifier:
         self._pool: VerifierPool | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self._components: dict[str, tuple[float, int]] = {}
 
     @property
     def require_think(self) -> bool:
-        return self.grader.require_think
+        return bool(getattr(self.grader, "require_think", False))
 
     @property
     def pool(self) -> VerifierPool:
@@ -789,7 +883,20 @@ class PooledVerifier:
         return self.score_many([(prompt, response)])[0]
 
     def score_many(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
-        return [float(x) for x in self.pool.score_many([(p.answer, r) for p, r in pairs])]
+        graded = self.pool.grade_many([self.grader.item(p, r) for p, r in pairs])
+        with self._lock:
+            for g in graded:
+                for name, value in (g.components or {}).items():
+                    total, n = self._components.get(name, (0.0, 0))
+                    self._components[name] = (total + value, n + 1)
+        return [float(g.score) for g in graded]
+
+    def drain_components(self) -> dict[str, float]:
+        """The mean of each named reward component over the answers graded since the last
+        call (``reval train``'s rows); empty for graders without components."""
+        with self._lock:
+            got, self._components = self._components, {}
+        return {name: total / n for name, (total, n) in got.items()}
 
     def close(self) -> None:
         """Stop the pool's processes (idempotent); a later answer raises RuntimeError."""

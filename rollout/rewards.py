@@ -1,0 +1,298 @@
+"""A custom task: any dataset's rows as prompts, graded by the user's reward function.
+
+``task.dataset`` is read by the math task's reader (``math_task.read_rows``: a local JSONL or
+parquet file, or a ``datasets`` hub name). Each row's ``task.prompt_field`` is the prompt: a
+string as it is, or a list of chat messages put through the tokenizer's chat template. Every
+other column is the row's metadata. Rows without a usable prompt, or over
+``task.max_prompt_tokens``, are skipped and counted (``reval_task_prompts_skipped``).
+
+``task.reward`` (``package.module:function`` or ``path/to/file.py:function``, loaded by
+``reval.paths.load_reward``) is called as ``f(prompt, completion, metadata, **task.reward_args)``,
+where ``prompt`` is the row's prompt field as the dataset holds it. It runs in the worker's
+grading processes (``rollout/verify.py``: ``VerifierPool``, the math grader's pool) under the
+per-answer deadline ``rollout.verifier_timeout_s``. How a function is called:
+
+- plain (``def f(prompt, completion, metadata)``): once per answer, one answer per task;
+- batched (the function has the attribute ``batched = True``): ``f(prompts, completions,
+  metadatas)`` with lists, returning a list of as many rewards; the pool hands each grading
+  process one chunk of a round's answers, with a deadline of the per-answer one times its size;
+- async (``async def``, recognised by ``inspect.iscoroutinefunction``): the answers of a chunk
+  are awaited together on the process's event loop, each under the per-answer deadline (a
+  batched async function: one await per chunk).
+
+A reward is a number (``bool`` counts), or a dict whose ``score`` is the reward and whose other
+numeric entries are named components (the ``reval_reward_component{name}`` summary; the
+``reward/NAME`` columns of ``reval train``'s rows). What scores 0 and is counted in
+``reval_verifier_errors_total{reason}``: an exception (``error``), passing the deadline
+(``timeout``: the process is killed and replaced), anything that is not a number or a dict with
+a numeric ``score`` (``not_a_number``) and a NaN or infinite value (``not_finite``). None of
+them stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from reval.config import RolloutConfig, TaskConfig
+from reval.paths import load_reward
+from rollout.math_task import TaskMetrics, answer_shape, read_rows
+from rollout.task_types import Prompt, Verifier
+from rollout.verify import Graded, PooledVerifier, Precheck
+
+log = logging.getLogger("reval.rewards")
+
+
+def to_graded(value: Any) -> Graded:
+    """A reward function's return value as a ``Graded``: a finite number, or a dict with a
+    finite numeric ``score`` (its other finite numeric entries are components); anything else
+    scores 0 with the reason ``not_a_number`` or ``not_finite``."""
+    components: dict[str, float] | None = None
+    if isinstance(value, Mapping):
+        components = {}
+        for name, v in value.items():
+            if name != "score" and _is_number(v) and math.isfinite(float(v)):
+                components[str(name)] = float(v)
+        if "score" not in value:
+            keys = ", ".join(map(str, value))
+            return Graded(0.0, "not_a_number", f"a dict without 'score' ({keys})", components)
+        value = value["score"]
+    if not _is_number(value):
+        return Graded(0.0, "not_a_number", f"returned {type(value).__name__} {value!r:.80}",
+                      components)  # fmt: skip
+    score = float(value)
+    if not math.isfinite(score):
+        return Graded(0.0, "not_finite", f"returned {score}", components)
+    return Graded(score, None, "", components)
+
+
+def _is_number(value: Any) -> bool:
+    """A real number, or what converts to one (numpy and one-element torch scalars); not text."""
+    if isinstance(value, str | bytes) or not hasattr(value, "__float__"):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(value, complex)
+
+
+def _error(err: BaseException) -> Graded:
+    return Graded(0.0, "error", f"{type(err).__name__}: {err}"[:500])
+
+
+class RewardFunction:
+    """The grader (``verify.PoolGrader``) of a custom task: the function ``spec`` names, called
+    with ``kwargs`` in the grading processes. Loaded here too: what ``batched`` is depends on
+    it. ``timeout``: the per-answer deadline of an async function's answers."""
+
+    def __init__(self, spec: str, kwargs: Mapping[str, Any] | None = None,
+                 timeout: float = 5.0) -> None:  # fmt: skip
+        self.spec = spec
+        self.kwargs = dict(kwargs or {})
+        self.timeout = timeout
+        fn = load_reward(spec)
+        self.batch_call = getattr(fn, "batched", False) is True
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.batched = self.batch_call or self.is_async
+        self._fn: Any = fn
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # (a grading process loads the function itself: a file's module is not importable by
+        # name there, and neither is an event loop picklable)
+        return {**self.__dict__, "_fn": None, "_loop": None}
+
+    def item(self, prompt: Prompt, response: str) -> tuple[Any, str, Mapping[str, Any]]:
+        raw = prompt.raw if prompt.raw is not None else prompt.text
+        return (raw, response, dict(prompt.metadata or {}))
+
+    def precheck(self, *item: Any) -> Precheck:
+        return Precheck(None)  # (every answer goes to a grading process)
+
+    def warm_up(self) -> None:
+        if self._fn is None:
+            self._fn = load_reward(self.spec)
+
+    def grade_many(self, work: Sequence[tuple[tuple[Any, ...], str | None]]) -> list[Graded]:
+        """Each ``((prompt, completion, metadata), _)`` graded by the function (see the module's
+        docstring for how it is called and what scores 0)."""
+        self.warm_up()
+        items = [item for item, _ in work]
+        if self.batch_call:
+            try:
+                out = self._fn(*(list(col) for col in zip(*items, strict=True)), **self.kwargs)
+                if inspect.isawaitable(out):
+                    out = self._run(out)
+            except Exception as err:
+                return [_error(err)] * len(items)
+            if isinstance(out, str | bytes | Mapping) or not isinstance(out, Sequence):
+                why = f"a batched reward returned {type(out).__name__}, not a list"
+                return [Graded(0.0, "not_a_number", why)] * len(items)
+            if len(out) != len(items):
+                why = f"a batched reward returned {len(out)} rewards for {len(items)} answers"
+                return [Graded(0.0, "not_a_number", why)] * len(items)
+            return [to_graded(v) for v in out]
+        if self.is_async:
+            return self._run(self._gather(items))
+        graded = []
+        for prompt, completion, metadata in items:
+            try:
+                graded.append(to_graded(self._fn(prompt, completion, metadata, **self.kwargs)))
+            except Exception as err:
+                graded.append(_error(err))
+        return graded
+
+    async def _gather(self, items: list[tuple[Any, ...]]) -> list[Graded]:
+        async def one(prompt: Any, completion: str, metadata: Any) -> Graded:
+            try:
+                coro = self._fn(prompt, completion, metadata, **self.kwargs)
+                return to_graded(await asyncio.wait_for(coro, self.timeout))
+            except TimeoutError:
+                return Graded(0.0, "timeout", f"not done in {self.timeout} s")
+            except Exception as err:
+                return _error(err)
+
+        return list(await asyncio.gather(*(one(*item) for item in items)))
+
+    def _run(self, coro: Any) -> Any:
+        """``coro`` run to its end on this process's own event loop (kept between calls, so an
+        async function's clients and connections live across answers)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+
+def prompt_text(value: Any, tokenizer: Any | None) -> str | None:
+    """What the model reads of a prompt field: a string as it is; chat messages through the
+    tokenizer's chat template (ValueError without one); None for anything else."""
+    if isinstance(value, str):
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
+    ):
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "task.prompt_field holds chat messages but the model's tokenizer has no chat "
+                "template: give the prompt as a string, or a model with a chat template"
+            )
+        messages = [dict(m) for m in value]
+        text: str = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return text
+    return None
+
+
+def read_prompts(
+    rows: Iterable[Mapping[str, Any]],
+    prompt_field: str,
+    tokenizer: Any | None = None,
+    max_prompt_tokens: int | None = None,
+    source: str = "the dataset",
+) -> tuple[list[Prompt], dict[str, int]]:
+    """A custom task's prompts and its skipped rows by reason. Rows without a usable
+    ``prompt_field`` (missing, not a string or chat messages: ``missing_field``; empty:
+    ``empty_problem``) or over ``max_prompt_tokens`` (counted with ``tokenizer``; characters / 8
+    without one: ``too_long``) are skipped and counted; none left is a ValueError naming
+    ``task.prompt_field``."""
+    prompts: list[Prompt] = []
+    skipped: dict[str, int] = {}
+    columns: set[str] = set()
+    for i, row in enumerate(rows):
+        columns.update(map(str, row))
+        value = row.get(prompt_field)
+        text = prompt_text(value, tokenizer)
+        if text is None:
+            reason = "missing_field"
+        elif not text.strip():
+            reason = "empty_problem"
+        elif (
+            max_prompt_tokens is not None
+            and (
+                len(tokenizer(text, add_special_tokens=False).input_ids)
+                if tokenizer is not None
+                else len(text) // 8
+            )
+            > max_prompt_tokens
+        ):
+            reason = "too_long"
+        else:
+            metadata = {k: v for k, v in row.items() if k != prompt_field}
+            answer = metadata.get("answer")
+            prompts.append(Prompt(id=str(row.get("id", i)), text=text,
+                                      answer="" if answer is None else str(answer),
+                                      raw=value, metadata=metadata))  # fmt: skip
+            continue
+        skipped[reason] = skipped.get(reason, 0) + 1
+    if not prompts:
+        have = ", ".join(sorted(columns)) or "none"
+        raise ValueError(
+            f"task.prompt_field: no row of {source} has a usable {prompt_field!r} (a "
+            f"non-empty string or chat messages of at most task.max_prompt_tokens tokens; "
+            f"columns: {have}; skipped: {skipped})"
+        )
+    if skipped:
+        log.warning("skipped rows of %s: %s", source, skipped)
+    return prompts, skipped
+
+
+@dataclass
+class CustomTask:
+    """Prompts read from ``task.dataset``, graded by ``task.reward`` (the module's docstring)."""
+
+    prompts: list[Prompt]
+    verifier: Verifier
+    name: str = "custom"
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: TaskConfig,
+        tokenizer: Any | None = None,
+        rollout: RolloutConfig | None = None,
+        registry: Any | None = None,
+        field: str = "task.dataset",
+    ) -> CustomTask:
+        """``cfg.dataset`` (named ``field`` in errors: ``eval.dataset`` for a held-out copy)
+        graded by ``cfg.reward`` in a pool of ``rollout.verifier_workers`` processes; the
+        grading and skipped-row metrics on ``registry``."""
+        if cfg.reward is None or cfg.dataset is None:
+            raise ValueError("task.kind=custom needs task.reward and task.dataset")
+        timeout = rollout.verifier_timeout_s if rollout else 5.0
+        grader = RewardFunction(cfg.reward, cfg.reward_args, timeout)
+        rows = read_rows(cfg.dataset, cfg.split, field)
+        verifier = PooledVerifier(grader, workers=rollout.verifier_workers if rollout else 2,
+                                  timeout=timeout, registry=registry)  # fmt: skip
+        try:
+            prompts, skipped = read_prompts(rows, cfg.prompt_field, tokenizer,
+                                            cfg.max_prompt_tokens,
+                                            f"{field} {cfg.dataset!r} ({cfg.split})")  # fmt: skip
+        except BaseException:
+            verifier.close()
+            raise
+        task = cls(prompts=prompts, verifier=verifier, skipped=skipped)
+        counter = TaskMetrics(registry).skipped
+        for reason, n in task.skipped.items():
+            counter.labels(reason).inc(n)
+        return task
+
+    def pretrain_texts(self, rng: Any, count: int) -> list[str]:
+        """Each prompt followed by the ``answer`` column of another row whose answer has the
+        same shape (``math_task.answer_shape``), when the rows have one: the answer format, not
+        the answers; the prompts alone otherwise."""
+        by_shape: dict[str, list[str]] = {}
+        for p in self.prompts:
+            by_shape.setdefault(answer_shape(p.answer), []).append(p.answer)
+        return [
+            p.text + rng.choice(by_shape[answer_shape(p.answer)])
+            for p in rng.sample(self.prompts, min(count, len(self.prompts)))
+        ]
