@@ -59,6 +59,7 @@ from reval.control import LeaseHeld, RunControl, RunLease, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import compute_dtype, load_policy
 from reval.procs import follow_parent
+from reval.redis import connect
 from reval.weights.sender import build_sender
 
 log = logging.getLogger("reval.learner")
@@ -152,7 +153,7 @@ class LearnerService:
             limits=RecordLimits(self.vocab_size, cfg.buffer.reward_bound),
         )
         self.source = BatchSource.from_config(self.ring, cfg)
-        self.client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
+        self.client = connect(cfg.buffer.redis_url)
         world = self.world
         self.learner = Learner(
             self.model,
@@ -665,7 +666,7 @@ def _take_lease(cfg: RunConfig) -> RunLease | None:
     verdict: list[Any] = [None]
     lease = None
     if dist.get_rank() == 0:
-        client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
+        client = connect(cfg.buffer.redis_url)
         lease = RunLease(client, cfg.buffer.key_prefix, cfg.name, cfg.learner.lease_s)
         try:
             lease.acquire()

@@ -2,18 +2,18 @@
 ``reval runs ...`` write, and what the learner, the rollout workers and the ``reval launch``
 driver read between steps. Everything lives in Redis, so the API can restart while a run goes on.
 
-Keys of run R (the run's hash tag, so one Redis Cluster slot):
+Keys of run R (built in ``reval.redis``; the run's hash tag, so one Redis Cluster slot):
 
-- ``{prefix}{R}:control`` (hash): the desired ``phase`` (``running``, ``paused``, ``stopping``),
+- ``control`` (hash): the desired ``phase`` (``running``, ``paused``, ``stopping``),
   the desired rollout ``workers`` (``reval launch`` scales to it), the sequence numbers of
   ``checkpoint`` and ``export`` requests, one field ``hp:<name>`` (a JSON number) per live
   hyperparameter requested (``LiveHParams``), and what ``reval launch``'s driver adds about
   itself (``driver_seen``, ``ray_address``, ``ray_auth_mode``).
-- ``{prefix}{R}:status`` (hash): what the learner reports after each update (phase, step,
+- ``status`` (hash): what the learner reports after each update (phase, step,
   policy version, the last metrics, the checkpoints, the hyperparameters in force).
-- ``{prefix}{R}:events`` (stream): every request and every change applied, with the learner's
+- ``events`` (stream): every request and every change applied, with the learner's
   step: ``reval runs events`` and ``GET /v1/runs/{R}/events`` read it.
-- ``{prefix}{R}:learner`` (string with a time to live): the lease of the run's one learner
+- ``learner`` (string with a time to live): the lease of the run's one learner
   (``RunLease``), holding its identity.
 
 The live hyperparameters are one typed model, ``LiveHParams``: the API's PATCH body, what
@@ -36,6 +36,8 @@ from typing import Any, Literal, cast
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from reval.redis import control_key, events_key, lease_key, runs_key, status_key
 
 PHASES = ("running", "paused", "stopping")
 
@@ -143,29 +145,12 @@ def _float(text: str | None) -> float | None:
         return None
 
 
-def runs_key(prefix: str) -> str:
-    """The REST API's registry of the runs it shows (name -> JSON entry)."""
-    return f"{prefix}api:runs"
-
-
 def adopt_run(client: redis.Redis, prefix: str, run: str, config: dict[str, Any]) -> bool:
     """Show a run started outside the API (``reval learner`` under compose or by hand) in the
     API's registry; a run the API created keeps its entry. True if it was added."""
     entry = {"created": time.time(), "config": config, "pid": None, "started": True,
              "external": True}  # fmt: skip
     return bool(client.hsetnx(runs_key(prefix), run, json.dumps(entry)))
-
-
-def control_key(prefix: str, run: str) -> str:
-    return f"{prefix}{{{run}}}:control"
-
-
-def status_key(prefix: str, run: str) -> str:
-    return f"{prefix}{{{run}}}:status"
-
-
-def events_key(prefix: str, run: str) -> str:
-    return f"{prefix}{{{run}}}:events"
 
 
 @dataclass
@@ -312,10 +297,6 @@ class RunControl:
 
 
 # -- one learner per run ------------------------------------------------------------------------
-
-
-def lease_key(prefix: str, run: str) -> str:
-    return f"{prefix}{{{run}}}:learner"
 
 
 class LeaseHeld(RuntimeError):

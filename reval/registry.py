@@ -10,13 +10,8 @@ from typing import Any
 
 import redis
 
-
-def worker_key(prefix: str, run: str, worker_id: str) -> str:
-    return f"{prefix}{{{run}}}:workers:{worker_id}"
-
-
-def workers_index(prefix: str, run: str) -> str:
-    return f"{prefix}{{{run}}}:workers"
+from reval.redis import task_key as task_key  # (where the workers read the task setup)
+from reval.redis import worker_key, workers_index
 
 
 def register(
@@ -45,9 +40,3 @@ def count_alive(client: redis.Redis, prefix: str, run: str, heartbeat_s: float) 
     pipe.zremrangebyscore(index, "-inf", f"({since}")
     pipe.zcard(index)
     return int(pipe.execute()[1])
-
-
-def task_key(prefix: str, run: str) -> str:
-    """Where the learner shares what its task learned about the initial policy (the one-shot
-    task's calibration) with the workers."""
-    return f"{prefix}{{{run}}}:task"

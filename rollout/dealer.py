@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import redis
 
+from reval.redis import deal_key
 from reval.retry import retry_redis
 from rollout.tasks import Prompt
 
@@ -51,7 +52,7 @@ class PromptDealer:
         self.prompts = list(prompts)
         self.seed = seed
         self.retry_s = retry_s
-        self.key = f"{key_prefix}{{{run}}}:deal:{dataset_fingerprint(self.prompts)}"
+        self.key = deal_key(key_prefix, run, dataset_fingerprint(self.prompts))
         self._perms: dict[int, npt.NDArray[np.int64]] = {}
 
     def _perm(self, epoch: int) -> npt.NDArray[np.int64]:

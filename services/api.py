@@ -2,12 +2,12 @@
 Ray cluster ``reval serve --ray`` mounts the same app as a Ray Serve deployment (``ray_app``,
 ``run_on_ray``; ``services/api_serve.py`` is the import path for Serve's CLI and KubeRay).
 
-Everything the API knows lives in Redis (the runs it manages in ``{prefix}api:runs``, each run's
-control, status and events keys from ``reval/control.py``, the replay ring's counters, the worker
-registry), so the API restarts without losing anything while runs go on. A run is started as a
-``reval launch`` process (its own session, so it outlives an API restart); every later action is
-a write to the run's control keys, which the learner, the workers and the launch driver follow
-between steps.
+Everything the API knows lives in Redis (the runs it manages in its registry hash, each run's
+control, status and events keys, the replay ring's counters, the worker registry; every key is
+built in ``reval/redis.py``), so the API restarts without losing anything while runs go on. A run
+is started as a ``reval launch`` process (its own session, so it outlives an API restart); every
+later action is a write to the run's control keys, which the learner, the workers and the launch
+driver follow between steps.
 
 Security: mutating endpoints need ``Authorization: Bearer <token>`` (the token from the
 environment variable ``api.token_env``, compared in constant time); ``serve`` refuses to start
@@ -39,7 +39,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from reval import registry
 from reval.config import (
     ENV_PREFIX,
     ApiConfig,
@@ -49,7 +48,16 @@ from reval.config import (
     build_config,
     public_dump,
 )
-from reval.control import LiveHParams, RunControl, lease_key, runs_key
+from reval.control import LiveHParams, RunControl
+from reval.redis import (
+    claim_key,
+    connect,
+    lease_key,
+    ring_keys,
+    runs_key,
+    worker_key,
+    workers_index,
+)
 
 log = logging.getLogger("reval.api")
 
@@ -233,7 +241,7 @@ class Store:
 
     def __init__(self, cfg: ApiConfig, client: redis.Redis | None = None) -> None:
         self.cfg = cfg
-        self.client = client or redis.Redis.from_url(cfg.redis_url, socket_timeout=10)
+        self.client = client or connect(cfg.redis_url, timeout_s=10)
         self.runs_key = runs_key(cfg.key_prefix)
 
     def get(self, name: str) -> dict[str, Any] | None:
@@ -366,18 +374,16 @@ def create_app(
         if alive and ctl.phase == "stopping" and phase not in FINISHED:
             phase = "stopping"
         buf = None
-        from buffer.redis_ring import run_keys
-
-        meta = store.client.hmget(run_keys(cfg.key_prefix, name).meta,
+        meta = store.client.hmget(ring_keys(cfg.key_prefix, name).meta,
                                   ["capacity", "head", "tail", "evicted", "sampled"])  # fmt: skip
         if meta[0] is not None:  # (read directly: no side effect on a run not started)
             cap, head, tail, evicted, sampled = (int(x or 0) for x in meta)
             buf = BufferInfo(size=head - tail, capacity=cap, inserted=head, sampled=sampled,
                              evicted=evicted)  # fmt: skip
         workers = []
-        index = registry.workers_index(cfg.key_prefix, name)
+        index = workers_index(cfg.key_prefix, name)
         for wid in sorted(m.decode() for m in store.client.zrange(index, 0, -1)):
-            raw = store.client.get(registry.worker_key(cfg.key_prefix, name, wid))
+            raw = store.client.get(worker_key(cfg.key_prefix, name, wid))
             if raw is None:
                 continue
             w = json.loads(raw)
@@ -506,7 +512,7 @@ def create_app(
             raise HTTPException(409, f"run {name!r} has no checkpoint in {run_cfg.run_dir} to "
                                 "resume from: create it without resume")  # fmt: skip
         # One creator at a time per name (two concurrent creates must not both launch).
-        if not store.client.set(f"{store.runs_key}:claim:{name}", "1", nx=True, ex=30):
+        if not store.client.set(claim_key(cfg.key_prefix, name), "1", nx=True, ex=30):
             raise HTTPException(409, f"run {name!r} is being created")
         control = store.control(name)
         control.clear()
@@ -523,7 +529,7 @@ def create_app(
             entry["started"] = True
             entry["started_at"] = time.time()
         store.put(name, entry)
-        store.client.delete(f"{store.runs_key}:claim:{name}")
+        store.client.delete(claim_key(cfg.key_prefix, name))
         return info(name, entry)
 
     @app.get("/v1/runs/{name}", response_model=RunInfo, dependencies=[Depends(read_auth)],
@@ -544,7 +550,7 @@ def create_app(
               dependencies=[Depends(write_auth)])  # fmt: skip
     def start_run(name: str) -> Accepted:
         entry, _ = act(name, "start", ("registered", *FINISHED))
-        if not store.client.set(f"{store.runs_key}:claim:{name}", "1", nx=True, ex=30):
+        if not store.client.set(claim_key(cfg.key_prefix, name), "1", nx=True, ex=30):
             raise HTTPException(409, f"run {name!r} is being started")
         control = store.control(name)
         # The last start's final status goes: the run is starting again.

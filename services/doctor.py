@@ -340,10 +340,10 @@ def redis_error(cfg: RunConfig, timeout_s: float = 3.0) -> str | None:
         return None
     import redis
 
+    from reval.redis import connect
+
     try:
-        client = redis.Redis.from_url(
-            cfg.buffer.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
-        )
+        client = connect(cfg.buffer.redis_url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
         client.ping()
         client.close()
     except (redis.RedisError, ValueError, OSError) as err:

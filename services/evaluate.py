@@ -7,13 +7,20 @@ subsample), ``eval.samples_per_prompt`` = k answers per problem at ``eval.temper
 fraction of a problem's k answers that are right. Results go to a JSON file and a table of the
 same fractions, one column per benchmark named as configured, in the paper's order (aime24 aime25
 amc math500 minerva olympiad gpqa), then the others and their average (avg).
+
+The benchmark ``task`` is the run's own task (the default of ``reval eval`` for a custom task):
+its ``eval.dataset`` (else ``task.dataset``) read like the training prompts (at most
+``eval.max_problems``, a seeded subsample) and graded by the task's own verifier (a custom
+task's reward function in its grading pool), so avg@k is the mean reward.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,12 +28,15 @@ from typing import Any
 import numpy as np
 
 from reval.config import RunConfig
-from rollout.benchmarks import BENCHMARKS, Benchmark, load_benchmark
+from rollout.benchmarks import BENCHMARKS, Benchmark, BenchmarkSpec, Problem, load_benchmark
 from rollout.engines import SamplingParams
+from rollout.task_types import Prompt, Task
 
 log = logging.getLogger("reval.eval")
 
 COLUMNS = ("aime24", "aime25", "amc", "math500", "minerva", "olympiad", "gpqa")
+TASK = "task"
+"""The benchmark name of the run's own task (the module's docstring)."""
 
 
 @dataclass
@@ -51,7 +61,11 @@ def evaluate_benchmark(
     seed: int = 0,
     batch_prompts: int = 16,
     progress: Any = None,
+    task_prompts: Sequence[Prompt] | None = None,
 ) -> BenchmarkResult:
+    """avg@k of ``bench``. ``task_prompts`` (the ``task`` benchmark: one per problem): the
+    verifier is the task's, graded on ``(Prompt, response)`` pairs; else on ``(gold, response)``
+    pairs."""
     t0 = time.perf_counter()
     scores: list[float] = []
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -60,11 +74,12 @@ def evaluate_benchmark(
         texts = bench.prompts[start : start + batch_prompts]
         ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
         samples = engine.generate(ids, params, seed=seed * 1_000_003 + start)
-        pairs = []
-        for problem, group in zip(chunk, samples, strict=True):
+        pairs: list[tuple[Any, str]] = []
+        for j, (problem, group) in enumerate(zip(chunk, samples, strict=True)):
+            key = problem.answer if task_prompts is None else task_prompts[start + j]
             for s in group:
                 tokens = [int(x) for x in s.token_ids if eos is None or int(x) != eos]
-                pairs.append((problem.answer, tokenizer.decode(tokens, skip_special_tokens=True)))
+                pairs.append((key, tokenizer.decode(tokens, skip_special_tokens=True)))
         graded = [float(x) for x in verifier.score_many(pairs)]
         k = params.n
         for j in range(len(chunk)):
@@ -94,21 +109,43 @@ def table(results: dict[str, BenchmarkResult]) -> str:
     return f"| {' | '.join(cols)} | avg |\n|{'---|' * (len(cols) + 1)}\n| {row} | {avg:.3f} |\n"
 
 
+def task_benchmark(cfg: RunConfig, tokenizer: Any) -> tuple[Benchmark, Task]:
+    """The ``task`` benchmark: the run's task built on ``eval.dataset`` (else its own dataset),
+    at most ``eval.max_problems`` of its prompts (a seeded subsample); the task grades it."""
+    from rollout.tasks import build_task
+
+    task_cfg = cfg.task
+    if cfg.eval.dataset is not None:
+        task_cfg = task_cfg.model_copy(update={"dataset": cfg.eval.dataset})
+    task = build_task(task_cfg, cfg.seed, tokenizer, cfg.rollout)
+    prompts = list(task.prompts)
+    if len(prompts) > cfg.eval.max_problems:
+        prompts = random.Random(cfg.seed).sample(prompts, cfg.eval.max_problems)
+    spec = BenchmarkSpec(TASK, TASK, task_cfg.dataset or task_cfg.kind, task_cfg.split)
+    problems = [Problem(p.id, p.text, p.answer) for p in prompts]
+    bench = Benchmark(spec, problems, total=len(task.prompts), prompts=[p.text for p in prompts])
+    task.prompts = prompts
+    return bench, task
+
+
 def _prepare(
     cfg: RunConfig, benchmarks: list[str], data_dir: str | None
 ) -> tuple[Any, Any, SamplingParams, list[Benchmark]]:
     """The engine, its tokenizer, the sampling of the evaluation and the loaded benchmarks."""
     from rollout.worker import build_engine
 
-    unknown = [b for b in benchmarks if b not in BENCHMARKS]
+    unknown = [b for b in benchmarks if b not in BENCHMARKS and b != TASK]
     if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown} (known: {', '.join(BENCHMARKS)})")
+        raise ValueError(f"unknown benchmark(s) {unknown} (known: {', '.join(BENCHMARKS)}, "
+                         f"{TASK}: the run's own task)")  # fmt: skip
     engine, tokenizer = build_engine(cfg, cfg.seed)
     e = cfg.eval
     params = SamplingParams(n=e.samples_per_prompt, temperature=e.temperature, top_p=e.top_p,
                             max_new_tokens=cfg.rollout.max_new_tokens)  # fmt: skip
     loaded = [
-        load_benchmark(
+        task_benchmark(cfg, tokenizer)[0]
+        if b == TASK
+        else load_benchmark(
             b,
             data_dir,
             e.max_problems,
@@ -132,6 +169,10 @@ def _evaluate_all(
     results: dict[str, BenchmarkResult] = {}
     require_think = cfg.task.template == "r1_distill"
     for bench in loaded:
+        if bench.spec.name == TASK:
+            got = _evaluate_task(cfg, bench, engine, tokenizer, params, bar)
+            results[TASK] = got
+            continue
         grader = MathVerify(require_think=require_think,
                             multiple_choice=bench.spec.multiple_choice)  # fmt: skip
         with VerifierPool(grader, workers=cfg.rollout.verifier_workers,
@@ -141,6 +182,23 @@ def _evaluate_all(
         log.info("%s: avg@%d %.3f over %d problems", got.name, got.k, got.avg_at_k,
                  got.problems)  # fmt: skip
     return results
+
+
+def _evaluate_task(
+    cfg: RunConfig, bench: Benchmark, engine: Any, tokenizer: Any, params: SamplingParams,
+    bar: Any = None,
+) -> BenchmarkResult:  # fmt: skip
+    """The ``task`` benchmark graded by the task's verifier (its pool closed after)."""
+    _, task = task_benchmark(cfg, tokenizer)
+    try:
+        by_id = {p.id: p for p in task.prompts}
+        prompts = [by_id[problem.id] for problem in bench.problems]
+        return evaluate_benchmark(bench, engine, tokenizer, task.verifier, params, cfg.seed,
+                                  progress=bar, task_prompts=prompts)  # fmt: skip
+    finally:
+        close = getattr(task.verifier, "close", None)
+        if close is not None:
+            close()
 
 
 def run_eval(
@@ -214,13 +272,14 @@ def follow(
 
     from reval.control import RunControl
     from reval.metrics import JsonlWriter
+    from reval.redis import connect
     from reval.weights.files import UNREADABLE, run_store
 
     if every < 1:
         raise ValueError("--every must be >= 1")
     stop = stop or threading.Event()
     b = cfg.buffer
-    client = redis.Redis.from_url(b.redis_url, socket_timeout=30)
+    client = connect(b.redis_url)
     store = run_store(cfg, client)
     control = RunControl(client, b.key_prefix, cfg.name)
     engine, tokenizer, params, loaded = _prepare(cfg, benchmarks, data_dir)

@@ -253,9 +253,10 @@ class Launch:
         self.replace_after = 0.0  # (backoff of replacing workers that keep dying)
         self.deaths: list[float] = []
         from reval.control import RunControl
+        from reval.redis import connect
 
         self.control = RunControl(
-            redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=5),
+            connect(cfg.buffer.redis_url, timeout_s=5),
             cfg.buffer.key_prefix,
             cfg.name,
         )
@@ -613,10 +614,10 @@ def _recorded_address(cfg: RunConfig) -> tuple[str | None, str | None]:
     """The Ray address (and auth mode) the run's driver recorded in its control hash."""
     import redis
 
-    from reval.control import control_key
+    from reval.redis import connect, control_key
 
     try:
-        client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=5)
+        client = connect(cfg.buffer.redis_url, timeout_s=5)
         raw = client.hmget(control_key(cfg.buffer.key_prefix, cfg.name),
                            ["ray_address", "ray_auth_mode"])  # fmt: skip
     except redis.RedisError:

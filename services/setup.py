@@ -116,11 +116,10 @@ def _from_initial(cfg: RunConfig) -> RunConfig:
 def _share_task(cfg: RunConfig, task: Task | None, resume: bool) -> None:
     """The calibrated task's setup in Redis for the workers (a resumed run keeps the one the
     workers already use; one that has none calibrates now)."""
-    import redis
 
-    from reval.registry import task_key
+    from reval.redis import connect, task_key
 
-    client = redis.Redis.from_url(cfg.buffer.redis_url, socket_timeout=30)
+    client = connect(cfg.buffer.redis_url)
     try:
         key = task_key(cfg.buffer.key_prefix, cfg.name)
         if resume and client.exists(key):

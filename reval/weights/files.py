@@ -1,5 +1,5 @@
 """The file transport and the announcement: versions as safetensors files in a shared directory,
-announced in the run's Redis hash ``{prefix}{run}:weights``.
+announced in the run's Redis hash (``reval.redis.weights_key``).
 
 The hash (``WeightStore``):
 
@@ -37,6 +37,7 @@ from torch import Tensor
 
 from reval.config import RunConfig
 from reval.paths import free_space, last_line
+from reval.redis import weights_key
 from reval.retry import retry_redis
 from reval.weights.buckets import TensorMeta, copy_bytes
 
@@ -72,10 +73,6 @@ class Announcement:
     """``backend://host:port/secret`` of the learner's hub when it broadcasts."""
     lineage: str = ""
     """The publishing learner's id (a resumed learner has a new one)."""
-
-
-def weights_key(prefix: str, run: str) -> str:
-    return f"{prefix}{{{run}}}:weights"
 
 
 _ANNOUNCE_FILE = """
