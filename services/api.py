@@ -172,8 +172,12 @@ def _confine(run: RunConfig, api: ApiConfig) -> None:
                                                           run.sync.weights_dir)):  # fmt: skip
         if value is not None and not _under(value, api.output_dir):
             problems.append((loc, f"must lie under the API's output_dir {api.output_dir!r}"))
+    from reval.paths import reward_file
+
+    reward = run.task.reward and reward_file(run.task.reward)  # (a module name: installed code)
     for loc, value in ((["model", "name_or_path"], run.model.name_or_path),
-                       (["task", "dataset"], run.task.dataset)):  # fmt: skip
+                       (["task", "dataset"], run.task.dataset),
+                       (["task", "reward"], reward or None)):  # fmt: skip
         if value is None or _hub_id(value):
             continue
         if api.models_dir is None:
@@ -501,6 +505,15 @@ def create_app(
             raise HTTPException(422, [{"loc": ["body", "config"], "msg": str(err),
                                        "type": "value_error"}]) from None  # fmt: skip
         _confine(run_cfg, cfg)
+        if run_cfg.task.reward is not None:  # (its file under models_dir: imported only now)
+            from reval.paths import RewardNotFound, check_reward
+
+            try:
+                check_reward(run_cfg.task.reward, run_cfg.task.reward_args)
+            except RewardNotFound as err:
+                where = ["body", "config", "task", "reward"]
+                raise HTTPException(422, [{"loc": where, "msg": str(err),
+                                           "type": "value_error"}]) from None  # fmt: skip
         name = run_cfg.name
         old = store.get(name)
         if old is not None and info(name, old).phase not in (*FINISHED, "registered"):

@@ -152,8 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(ev, "override a field, e.g. --set eval.samples_per_prompt=16 (repeatable)")
     ev.add_argument("--checkpoint", help="a Hugging Face checkpoint directory or hub id "
                     "(default: model.name_or_path of the config)")  # fmt: skip
-    ev.add_argument("--benchmarks", default="aime24,aime25,amc,math500,minerva,olympiad,gpqa",
-                    help="comma-separated benchmark names")  # fmt: skip
+    ev.add_argument("--benchmarks", help="comma-separated benchmark names; 'task': the run's "
+                    "own task (default: 'task' for a custom task, else aime24,aime25,amc,"
+                    "math500,minerva,olympiad,gpqa)")  # fmt: skip
     ev.add_argument("--data", help="directory of local benchmark files NAME.jsonl (default: the "
                     "hub through the datasets library)")  # fmt: skip
     ev.add_argument("--out", help="results JSON (default: CHECKPOINT/eval.json or run_dir)")
@@ -399,7 +400,10 @@ def _eval(cfg: Any, args: argparse.Namespace) -> int:
 
     if args.checkpoint:
         cfg.model.name_or_path = args.checkpoint
-    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    default = (
+        "task" if cfg.task.kind == "custom" else "aime24,aime25,amc,math500,minerva,olympiad,gpqa"
+    )
+    names = [b.strip() for b in (args.benchmarks or default).split(",") if b.strip()]
     if args.follow:
         return _eval_follow(cfg, args, names)
     if args.out:

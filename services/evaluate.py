@@ -191,10 +191,9 @@ def _evaluate_task(
     """The ``task`` benchmark graded by the task's verifier (its pool closed after)."""
     _, task = task_benchmark(cfg, tokenizer)
     try:
-        by_id = {p.id: p for p in task.prompts}
-        prompts = [by_id[problem.id] for problem in bench.problems]
+        # (built again as ``bench`` was: the same prompts in the same order)
         return evaluate_benchmark(bench, engine, tokenizer, task.verifier, params, cfg.seed,
-                                  progress=bar, task_prompts=prompts)  # fmt: skip
+                                  progress=bar, task_prompts=task.prompts)  # fmt: skip
     finally:
         close = getattr(task.verifier, "close", None)
         if close is not None:

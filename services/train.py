@@ -28,13 +28,14 @@ from learner.export import export_hf
 from learner.memory import apply_plan
 from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
-from reval.config import RunConfig, dump_config
+from reval.config import RunConfig, TaskConfig, dump_config
 from reval.metrics import JsonlWriter, TrainMetrics
 from reval.policy import Policy, compute_dtype
 from rollout.collect import collect_round, evaluate
 from rollout.dealer import PromptDealer
 from rollout.engines import HFEngine, SamplingParams
 from rollout.environment import EpisodeRunner
+from rollout.math_task import read_rows
 from rollout.tasks import Prompt, Task
 from services.setup import build_policy_and_task, exact_success
 
@@ -51,19 +52,31 @@ class TrainResult:
 
 
 def _eval_prompts(task: Task, cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
-    """The prompts of the periodic evaluation: ``eval.dataset``'s held-out problems (templated
-    like the training prompts), else the task's own; at most ``eval.max_prompts``."""
+    """The prompts of the periodic evaluation: ``eval.dataset``'s held-out rows (read and
+    templated like the training prompts), else the task's own; at most ``eval.max_prompts``."""
     prompts = list(task.prompts)
     if cfg.eval.dataset is not None:
-        if cfg.task.kind != "math":
-            raise ValueError("eval.dataset needs task.kind=math")
-        from rollout.math_task import MathTask
-
+        if cfg.task.kind not in ("math", "custom"):
+            raise ValueError("eval.dataset needs task.kind=math or custom (a dataset task)")
         held = cfg.task.model_copy(update={"dataset": cfg.eval.dataset})
-        prompts = MathTask.from_config(held, tokenizer).prompts
+        prompts = held_out_prompts(held, tokenizer)
     if len(prompts) > cfg.eval.max_prompts:
         prompts = random.Random(cfg.seed + 7).sample(prompts, cfg.eval.max_prompts)
     return prompts
+
+
+def held_out_prompts(cfg: TaskConfig, tokenizer: Any) -> list[Prompt]:
+    """The prompts of the dataset task ``cfg`` (its ``dataset`` is ``eval.dataset``), read by
+    the task's own reader, graded by the training task's verifier."""
+    if cfg.kind == "custom":
+        from rollout.rewards import read_prompts
+
+        rows = read_rows(str(cfg.dataset), cfg.split, "eval.dataset")
+        return read_prompts(rows, cfg.prompt_field, tokenizer, cfg.max_prompt_tokens,
+                            f"eval.dataset {cfg.dataset!r}")[0]  # fmt: skip
+    from rollout.math_task import MathTask
+
+    return MathTask.from_config(cfg, tokenizer, field="eval.dataset").prompts
 
 
 @dataclass
@@ -136,8 +149,10 @@ def train(
         max_new_tokens=cfg.rollout.max_new_tokens,
     )
 
+    drain = getattr(task.verifier, "drain_components", None)  # (a custom reward's components)
+
     def run_eval(round_idx: int) -> float:
-        return evaluate(
+        success = evaluate(
             engine,
             policy.tokenizer,
             task,
@@ -148,6 +163,9 @@ def train(
             seed=cfg.seed * 1000003 + round_idx,
             episodes=episodes,
         )
+        if drain is not None:  # (the rows' components are the training answers')
+            drain()
+        return success
 
     exact = exact_success(task, policy)
     history: list[dict[str, Any]] = []
@@ -227,6 +245,8 @@ def train(
             "round_s": time.perf_counter() - t0,
             "elapsed_s": time.perf_counter() - t_start,
         }
+        if drain is not None:  # (the round means of a custom reward's named components)
+            record.update({f"reward/{name}": v for name, v in sorted(drain().items())})
         if exact is not None:
             record["success_exact"] = exact()
         if (cfg.eval.every and rnd % cfg.eval.every == 0) or rnd == cfg.learner.rounds:
