@@ -15,6 +15,7 @@ import os
 import re
 import tomllib
 import types
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -291,11 +292,6 @@ class BufferConfig(_Section):
     capacity: int = Field(1280, ge=1, le=MAX_CAPACITY)
     """M: trajectories kept; the oldest is evicted on insert (the paper: 5120). At most 10^8:
     the Redis ring keeps 4 bytes per slot in strings of at most 512 MB."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """``redis``: where the replay service lives."""
-    key_prefix: str = "reval:"
-    """``redis``: every key of a run is ``{key_prefix}{{run}}:...``, the run's name in braces
-    (a Redis Cluster hash tag: one slot per run); runs are isolated (docs/architecture.md)."""
     samples_per_insert: float | None = Field(None, gt=0)
     """Rate limiter (like Reverb's SampleToInsertRatio): trajectories handed out may not exceed
     this times trajectories inserted (plus ``rate_slack``); sampling waits when the learner is
@@ -526,6 +522,53 @@ class EvalConfig(_Section):
     like ``task.dataset``) that the periodic evaluation samples instead of the training prompts."""
 
 
+class RedisConfig(_Section):
+    """The run's Redis: the replay service, the control channel, the weights announcement, the
+    worker registry (every key: ``reval/redis.py``)."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    """Where Redis lives (``redis://[user:password@]host:port/db``, ``rediss://`` for TLS). The
+    password is redacted wherever the config is written."""
+    prefix: str = "reval:"
+    """Every key of a run is ``{prefix}{{run}}:...``, the run's name in braces (a Redis Cluster
+    hash tag: one slot per run); runs are isolated (docs/architecture.md)."""
+
+
+DEPRECATED_REDIS = {"redis_url": "url", "key_prefix": "prefix"}
+"""``buffer.<old name>`` -> ``redis.<name>``: the names before the ``redis`` section, still
+read (with a deprecation message)."""
+
+
+def move_deprecated(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` (a raw config mapping) with ``buffer.redis_url`` and ``buffer.key_prefix`` moved
+    to ``redis.url`` and ``redis.prefix``, with a FutureWarning for each one found. ValueError
+    when a field is given under both names with different values."""
+    out = dict(data)
+    buffer = out.get("buffer")
+    if not isinstance(buffer, Mapping) or not any(k in buffer for k in DEPRECATED_REDIS):
+        return out
+    buffer = out["buffer"] = dict(buffer)
+    section = out.get("redis")
+    redis = out["redis"] = dict(section) if isinstance(section, Mapping) else {}
+    for old, new in DEPRECATED_REDIS.items():
+        if old not in buffer:
+            continue
+        value = buffer.pop(old)
+        if new in redis and redis[new] != value:
+            raise ValueError(
+                f"buffer.{old} (deprecated) and redis.{new} are both set, to different values: "
+                f"keep redis.{new}"
+            )
+        redis[new] = value
+        warnings.warn(
+            f"buffer.{old} is deprecated: it is now redis.{new} (--set redis.{new}=..., "
+            f"{ENV_PREFIX}REDIS__{new.upper()})",
+            FutureWarning,
+            stacklevel=2,
+        )
+    return out
+
+
 class RunConfig(_Section):
     """A whole run: every part reads its own section."""
 
@@ -546,6 +589,12 @@ class RunConfig(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_names(cls, data: Any) -> Any:
+        return move_deprecated(data) if isinstance(data, Mapping) else data
 
     @property
     def round_size(self) -> int:
@@ -887,11 +936,11 @@ def redact_url(url: str) -> str:
 
 def public_dump(cfg: RunConfig) -> dict[str, Any]:
     """The resolved config (every field, defaults and derived values included) as JSON data,
-    with its secrets redacted (``buffer.redis_url``'s password): what is written to disk and
-    shown. Reloading it needs the secret again (``REVAL__BUFFER__REDIS_URL`` or ``--set``)."""
+    with its secrets redacted (``redis.url``'s password): what is written to disk and
+    shown. Reloading it needs the secret again (``REVAL__REDIS__URL`` or ``--set``)."""
     data = cfg.model_dump(mode="json")
     data["buffer"]["samples_per_insert"] = cfg.samples_per_insert
-    data["buffer"]["redis_url"] = redact_url(cfg.buffer.redis_url)
+    data["redis"]["url"] = redact_url(cfg.redis.url)
     return data
 
 
@@ -912,7 +961,7 @@ class ApiConfig(BaseModel):
     """The replay service's Redis: the API keeps its state there (it may restart any time).
     Password and TLS go in the URL (``rediss://:password@host:6380/0``)."""
     key_prefix: str = "reval:"
-    """Key prefix of the runs this API manages (their ``buffer.key_prefix``)."""
+    """Key prefix of the runs this API manages (their ``redis.prefix``)."""
     output_dir: str = "runs"
     """Run directories of the runs it starts. A POSTed config's ``output_dir`` and
     ``sync.weights_dir`` must lie under it (a run writes, and resumes by unpickling, there)."""

@@ -79,6 +79,12 @@ class RolloutMetrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60),
             registry=r,
         )
+        self.episodes_skipped = Counter(
+            f"{p}episodes_skipped",
+            "Multi-turn episodes left out because their environment misbehaved (task.environment)",
+            ["reason"],
+            registry=r,
+        )
         self.gen_seconds = Histogram(
             f"{p}generate_seconds",
             "Generation time of one batch",
@@ -441,6 +447,8 @@ class RolloutWorker:
         if result.episodes_skipped:
             log.warning("worker %s: episodes skipped (their environment misbehaved): %s",
                         self.worker_id, result.episodes_skipped)  # fmt: skip
+            for reason, n in result.episodes_skipped.items():
+                self.metrics.episodes_skipped.labels(reason=reason).inc(n)
         seconds = time.perf_counter() - t0
         self.ring.insert(result.trajectories)  # never waits for the learner; spools if needed
         self.stats.batches += 1
