@@ -16,8 +16,9 @@ Their source is kept in ``GENERATED_SOURCE`` (and shows in tracebacks). Adding, 
 reordering a field changes the wire format: bump ``SCHEMA_VERSION`` with it.
 
 Schema history: 1 was a msgpack map (never persisted by a release); 2 is the array form; 3 adds
-``action_mask`` (multi-turn episodes). A schema-2 record still decodes: its ``action_mask`` is
-absent (empty: every response token is the model's own).
+``action_mask`` (multi-turn episodes); 4 adds ``version_spans`` (answers generated across an
+in-flight weight update). Schema-2 and schema-3 records still decode: the fields they lack are
+absent (empty: every response token is the model's own, from ``policy_version``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 OLD_SCHEMA_VERSION = 2
 """The schema before ``action_mask``: read, with the mask absent, never written."""
+SPANLESS_SCHEMA_VERSION = 3
+"""The schema before ``version_spans``: read, with the spans absent, never written."""
 MAX_TOKENS = 1 << 20  # a record longer than 1M tokens is certainly corrupt
 FinishReason = Literal["stop", "length"]
 _FINISH_REASONS = ("stop", "length")
@@ -169,6 +172,8 @@ TEXT = _kind(types=(str,), written=(str,))
 FINISH = _kind(types=(str,), written=(str,), choices=_FINISH_REASONS)
 _NO_MASK: MaskArray = np.zeros(0, dtype=np.uint8)
 _NO_MASK.flags.writeable = False  # (the one shared default: never written in place)
+_NO_SPANS: IntArray = np.zeros(0, dtype=np.int32)
+_NO_SPANS.flags.writeable = False
 
 
 # -- the record: its one declaration ------------------------------------------------------------
@@ -221,6 +226,12 @@ class Trajectory:
     observation of a multi-turn episode: context for what follows, not in the loss); or empty
     (absent, a single-turn record): every token is an action. When present the first token is
     an action (an episode starts with the model's turn)."""
+    version_spans: IntArray = field(default_factory=lambda: _NO_SPANS, metadata=INT32_ARRAY)
+    """Which weight versions sampled the response: ``[start0, version0, start1, version1, ...]``,
+    token ``j`` from the version of the last span starting at or before ``j`` (the first starts
+    at 0; ``policy_version`` is the first span's version, the oldest). Empty (absent): every
+    token from ``policy_version``. Written by the streaming vLLM worker when an answer spanned an
+    in-flight weight update (``rollout/streaming.py``); ``token_versions`` expands it."""
     use_count: int = field(default=0, metadata=COUNT)
     """Times the learner has sampled it."""
 
@@ -246,10 +257,19 @@ class Trajectory:
         if not np.isfinite(self.logprobs).all() or (self.logprobs > 1e-4).any():
             raise RecordError("log-probs must be finite and <= 0")
         _check_mask(self.action_mask, self.response_ids.size)
+        _check_spans(self.version_spans, self.response_ids.size)
         if not _scalars_ok(self):
             _raise_scalar_error(self)
         if limits is not NO_LIMITS:
             limits.check(self)
+
+    def token_versions(self) -> npt.NDArray[np.int64]:
+        """[T] the weight version that sampled each response token (``version_spans``)."""
+        n, spans = self.response_ids.size, self.version_spans
+        if not spans.size:
+            return np.full(n, self.policy_version, dtype=np.int64)
+        starts = np.append(spans[0::2].astype(np.int64), n)
+        return np.repeat(spans[1::2].astype(np.int64), np.diff(starts))
 
     # -- wire form ---------------------------------------------------------------------------
 
@@ -415,6 +435,24 @@ def _check_mask(mask: MaskArray, n_response: int) -> None:
         raise RecordError("action_mask: the first response token must be the model's (1)")
 
 
+def _check_spans(spans: IntArray, n_response: int) -> None:
+    """RecordError unless ``spans`` is absent (empty) or (start, version) pairs whose starts
+    rise from 0 and stay below ``n_response``, with versions >= 0."""
+    if spans.ndim != 1:
+        raise RecordError("version_spans must be one-dimensional")
+    if not spans.size:
+        return
+    if spans.size % 2:
+        raise RecordError("version_spans: an odd number of entries (pairs of start, version)")
+    starts = spans[0::2]
+    if starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= n_response:
+        raise RecordError(
+            f"version_spans: starts {starts.tolist()} must rise from 0 below {n_response}"
+        )
+    if (spans[1::2] < 0).any():
+        raise RecordError("version_spans: versions must be >= 0")
+
+
 def _raise_scalar_error(t: Trajectory) -> NoReturn:
     """Name the first scalar field that fails its kind's checks (the slow path of validate)."""
     for name, kind in _FIELDS:
@@ -491,6 +529,7 @@ def validate_many(trajs: Sequence[Trajectory]) -> None:
         for t in trajs:
             _check_scalars(t)
             _check_mask(t.action_mask, t.response_ids.size)
+            _check_spans(t.version_spans, t.response_ids.size)
         ids = np.concatenate([a for t in trajs for a in (t.prompt_ids, t.response_ids)])
         lps = np.concatenate([t.logprobs for t in trajs])
         ok = ids.min() >= 0 and bool(lps.min() > -np.inf) and bool(lps.max() <= 1e-4)
@@ -538,7 +577,8 @@ def _check_obj(obj: Any) -> tuple[Any, ...]:
             )
         raise RecordError(f"record is not an array (got {type(obj).__name__})")
     version = obj[0] if obj else None
-    if version == OLD_SCHEMA_VERSION and type(version) is int and len(obj) == len(WIRE_FIELDS) - 1:
+    old = version in (OLD_SCHEMA_VERSION, SPANLESS_SCHEMA_VERSION) and type(version) is int
+    if old and len(obj) == len(WIRE_FIELDS) - (SCHEMA_VERSION - version):
         return _check_obj(_upgrade(obj))
     if version != SCHEMA_VERSION or type(version) is not int:
         raise RecordError(f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
@@ -557,11 +597,15 @@ def _check_obj(obj: Any) -> tuple[Any, ...]:
 
 
 _MASK_COLUMN = WIRE_FIELDS.index("action_mask")
+_SPANS_COLUMN = WIRE_FIELDS.index("version_spans")
 
 
 def _upgrade(obj: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A schema-2 wire tuple as schema 3: the action mask absent (empty)."""
-    return (SCHEMA_VERSION, *obj[1:_MASK_COLUMN], b"", *obj[_MASK_COLUMN:])
+    """A schema-2 or schema-3 wire tuple as the current schema: the fields it lacks (the
+    action mask, the version spans) absent (empty)."""
+    if obj[0] == OLD_SCHEMA_VERSION:
+        obj = (SPANLESS_SCHEMA_VERSION, *obj[1:_MASK_COLUMN], b"", *obj[_MASK_COLUMN:])
+    return (SCHEMA_VERSION, *obj[1:_SPANS_COLUMN], b"", *obj[_SPANS_COLUMN:])
 
 
 def _build_checked(
@@ -617,6 +661,14 @@ def _build_checked(
     if ma.size:
         firsts = np.cumsum(n_m)[n_m > 0] - n_m[n_m > 0]  # where each present mask starts
         if ma.max() > 1 or not ma[firsts].all():
+            return None
+    n_s = sizes["version_spans"]
+    if n_s.any():  # (rare: answers that spanned an in-flight update; checked one by one)
+        try:
+            for obj, n in zip(objs, n_r.tolist(), strict=True):
+                if obj[_SPANS_COLUMN]:
+                    _check_spans(np.frombuffer(obj[_SPANS_COLUMN], np.int32), n)
+        except RecordError:
             return None
     if limits is not NO_LIMITS and not limits.batch_ok(
         pa, ra, [cols[_COLUMN["reward"]], cols[_COLUMN["reward_raw"]]], n_p + n_r

@@ -906,14 +906,24 @@ def load_config(
     REST API writes a run's config), then env overrides, then ``--set`` ones. A bad key or value
     is a ConfigError saying where it came from (the file, the variable, ``--set``)."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
-    data = _read_file(path)
+    data = move_deprecated(_read_file(path))
     origins: Origins = dict.fromkeys(_leaves(data), str(path))
     for items in (_env_items(environ), _set_items(overrides)):
         for dotted, value, origin in items:
-            leaf = _tree([(dotted, value, origin)])
+            leaf = _tree([(_renamed(dotted), value, origin)])
             origins.update(dict.fromkeys(_leaves(leaf), origin))
-        data = _merge(data, _tree(items))
+        # Each source's old names move first, so a later source overrides an earlier one
+        # whichever name each used (a config.json's redis.url, the environment's old name).
+        data = _merge(data, move_deprecated(_tree(items)))
     return build_config(data, origins)
+
+
+def _renamed(dotted: str) -> str:
+    """A dotted key under its current name (``buffer.redis_url`` -> ``redis.url``)."""
+    section, _, name = dotted.partition(".")
+    if section == "buffer" and name in DEPRECATED_REDIS:
+        return f"redis.{DEPRECATED_REDIS[name]}"
+    return dotted
 
 
 REDACTED = "***"

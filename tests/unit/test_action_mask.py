@@ -62,8 +62,9 @@ def test_an_old_record_decodes_with_the_mask_absent():
     t = episode(0)
     single = dataclasses.replace(t, action_mask=np.zeros(0, np.uint8))
     row = msgpack.unpackb(encode(single))
-    at = WIRE_FIELDS.index("action_mask")
-    old = msgpack.packb([OLD_SCHEMA_VERSION, *row[1:at], *row[at + 1 :]], use_bin_type=True)
+    at, spans = WIRE_FIELDS.index("action_mask"), WIRE_FIELDS.index("version_spans")
+    old = msgpack.packb([OLD_SCHEMA_VERSION, *row[1:at], *row[at + 1 : spans], *row[spans + 1 :]],
+                        use_bin_type=True)  # fmt: skip
     back = decode(old)
     assert back.action_mask.size == 0
     assert back.response_ids.tolist() == t.response_ids.tolist()

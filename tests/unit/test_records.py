@@ -249,7 +249,7 @@ def test_bytes_of_the_old_codec_are_unchanged(ref_version):
     t = _fixture_record(ref_version)
     old_row = msgpack.unpackb(old)
     assert old_row[0] == 2
-    new = msgpack.packb([SCHEMA_VERSION, *old_row[1:-1], b"", old_row[-1]], use_bin_type=True)
+    new = msgpack.packb([SCHEMA_VERSION, *old_row[1:-1], b"", b"", old_row[-1]], use_bin_type=True)
     assert encode(t) == new
     assert encode_many([t, t]) == [new, new]
     assert pack_wire(t.to_wire()) == new
@@ -281,6 +281,8 @@ def _distinct_value(name: str, kind: WireKind, seed: int) -> object:
     if kind.dtype is not None:
         if kind.dtype == np.uint8:  # the action mask: 0/1 over the 4 response tokens, first 1
             return np.array([1, seed % 2, 1 - seed % 2, 1], dtype=np.uint8)
+        if name == "version_spans":  # (start, version) pairs over the 4 response tokens
+            return np.array([0, 100 * k, 2 + seed % 2, 100 * k + 1], dtype=np.int32)
         if kind.dtype == np.int32:
             return np.arange(100 * k + 3, 100 * k + 7, dtype=np.int32)
         return -np.linspace(0.5, 2.0, 4, dtype=kind.dtype) - k
