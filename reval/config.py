@@ -541,7 +541,7 @@ read (with a deprecation message)."""
 
 def move_deprecated(data: Mapping[str, Any]) -> dict[str, Any]:
     """``data`` (a raw config mapping) with ``buffer.redis_url`` and ``buffer.key_prefix`` moved
-    to ``redis.url`` and ``redis.prefix``, with a FutureWarning for each one found. ValueError
+    to ``redis.url`` and ``redis.prefix``, with a FutureWarning for each one found. ConfigError
     when a field is given under both names with different values."""
     out = dict(data)
     buffer = out.get("buffer")
@@ -555,7 +555,7 @@ def move_deprecated(data: Mapping[str, Any]) -> dict[str, Any]:
             continue
         value = buffer.pop(old)
         if new in redis and redis[new] != value:
-            raise ValueError(
+            raise ConfigError(
                 f"buffer.{old} (deprecated) and redis.{new} are both set, to different values: "
                 f"keep redis.{new}"
             )
