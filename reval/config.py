@@ -202,16 +202,16 @@ class TaskConfig(_Section):
 
     @field_validator("environment")
     @classmethod
-    def _environment_imports(cls, value: str | None) -> str | None:
-        """A built-in name, or an import path that imports now (before any work starts)."""
+    def _environment_spec(cls, value: str | None) -> str | None:
+        """A built-in name or an import path's form; that it imports is checked before a
+        command's work starts (``reval.paths.check_run_paths``; the REST API after confining a
+        file to its ``models_dir``), never while a config is parsed."""
         if value is None or value in BUILTIN_ENVIRONMENTS:
             return value
-        from reval.plugins import load_object
+        from reval.plugins import split_spec
 
-        factory = load_object(value)
-        if not callable(factory):
-            raise ValueError(f"{value!r} is not callable (a class or a function)")
-        return value
+        split_spec(value)
+        return value.strip()
 
     @model_validator(mode="before")
     @classmethod

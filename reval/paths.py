@@ -189,19 +189,32 @@ def check_reward(spec: str, args: Mapping[str, Any], field: str = "task.reward")
                              f"metadata, **task.reward_args): {err}") from None  # fmt: skip
 
 
+def check_environment(cfg: RunConfig) -> None:
+    """``task.environment``, when an import path, imports and names a callable (a ValueError
+    naming the field otherwise); a built-in name needs nothing."""
+    from reval.config import BUILTIN_ENVIRONMENTS
+    from reval.plugins import load_callable
+
+    spec = cfg.task.environment
+    if spec is not None and spec not in BUILTIN_ENVIRONMENTS:
+        load_callable(spec, "task.environment")
+
+
 def check_run_paths(
     cfg: RunConfig, model_field: str = "model.name_or_path", held_out: bool = False
 ) -> None:
     """Every local path a run reads, checked before torch is imported: ``model.name_or_path``
     (named ``model_field``: ``--checkpoint`` for ``reval eval``), ``task.dataset`` of a math or
     custom task and, with ``held_out`` (``reval train``, which evaluates on it), its
-    ``eval.dataset``; a custom task's ``task.reward`` (``check_reward``). Raises
+    ``eval.dataset``; a custom task's ``task.reward`` (``check_reward``); ``task.environment``
+    (``check_environment``). Raises
     ``ModelNotFound``, ``DatasetNotFound``, ``RewardNotFound`` or a ValueError, each one line
     naming the field."""
     if cfg.model.name_or_path is not None:
         check_model(cfg.model.name_or_path, model_field, local_roots=(cfg.output_dir,))
     if cfg.task.reward is not None:
         check_reward(cfg.task.reward, cfg.task.reward_args)
+    check_environment(cfg)
     if cfg.task.kind in ("math", "custom"):
         sources = [("task.dataset", cfg.task.dataset)]
         if held_out:

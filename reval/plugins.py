@@ -63,3 +63,15 @@ def _import_file(path: Path) -> Any:
         del sys.modules[name]
         raise
     return module
+
+
+def load_callable(spec: str, field: str) -> Any:
+    """The callable ``spec`` names (``load_object``); ValueError, one line naming ``field``,
+    when it cannot be loaded or is not callable."""
+    try:
+        target = load_object(spec)
+    except ValueError as err:
+        raise ValueError(f"{field}: {err}") from None
+    if not callable(target):
+        raise ValueError(f"{field}: {spec!r} is a {type(target).__name__}, not callable")
+    return target

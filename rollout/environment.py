@@ -72,15 +72,10 @@ def environment_factory(cfg: TaskConfig) -> EnvironmentFactory | None:
         return None
     if spec in BUILTIN_ENVIRONMENTS:
         return builtin_environments()[spec]
-    from reval.plugins import load_object
+    from reval.plugins import load_callable
 
-    try:
-        factory = load_object(spec)
-    except ValueError as err:
-        raise ValueError(f"task.environment: {err}") from None
-    if not callable(factory):
-        raise ValueError(f"task.environment: {spec!r} is not callable (a class or a function)")
-    return factory  # type: ignore[no-any-return]
+    factory: EnvironmentFactory = load_callable(spec, "task.environment")
+    return factory
 
 
 def as_step(value: Any) -> Step:

@@ -175,9 +175,11 @@ def _confine(run: RunConfig, api: ApiConfig) -> None:
     from reval.paths import reward_file
 
     reward = run.task.reward and reward_file(run.task.reward)  # (a module name: installed code)
+    env = run.task.environment and reward_file(run.task.environment)  # (the same forms)
     for loc, value in ((["model", "name_or_path"], run.model.name_or_path),
                        (["task", "dataset"], run.task.dataset),
-                       (["task", "reward"], reward or None)):  # fmt: skip
+                       (["task", "reward"], reward or None),
+                       (["task", "environment"], env or None)):  # fmt: skip
         if value is None or _hub_id(value):
             continue
         if api.models_dir is None:
@@ -514,6 +516,14 @@ def create_app(
                 where = ["body", "config", "task", "reward"]
                 raise HTTPException(422, [{"loc": where, "msg": str(err),
                                            "type": "value_error"}]) from None  # fmt: skip
+        from reval.paths import check_environment  # (task.environment: the same)
+
+        try:
+            check_environment(run_cfg)
+        except ValueError as err:
+            where = ["body", "config", "task", "environment"]
+            raise HTTPException(422, [{"loc": where, "msg": str(err),
+                                       "type": "value_error"}]) from None  # fmt: skip
         name = run_cfg.name
         old = store.get(name)
         if old is not None and info(name, old).phase not in (*FINISHED, "registered"):

@@ -16,6 +16,7 @@ from torch import nn
 
 from learner.sequence import collate, pack
 from reval.config import BUILTIN_ENVIRONMENTS, ConfigError, TaskConfig, load_config
+from reval.paths import check_run_paths
 from reval.policy import build_char_tokenizer
 from rollout.calculator import CalculatorEnv, answer_matches, evaluate, show
 from rollout.collect import collect_round
@@ -31,6 +32,7 @@ from rollout.environment import (
 )
 from rollout.task_types import Prompt
 from rollout.tasks import ExactMatch
+from services.cli import main as cli_main
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id
@@ -270,28 +272,44 @@ def test_an_environment_by_file_path_loads(tmp_path):
     assert [t.reward_raw for t in result.trajectories] == [1.0, 1.0]
 
 
+def test_a_malformed_environment_is_refused_when_the_config_loads():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["task.environment=calculatorr"], environ={})
+    message = str(err.value)
+    assert message.startswith("task.environment:") and "\n" not in message
+    assert "is not 'package.module:name' or 'path/to/file.py:name'" in message
+
+
 @pytest.mark.parametrize(
     ("spec", "words"),
     [
         ("no_such_module_xyz:Env", "cannot import 'no_such_module_xyz'"),
         ("rollout.calculator:NoSuchEnv", "has no 'NoSuchEnv'"),
-        ("rollout.calculator:MAX_EXPRESSION_CHARS", "not callable"),
+        ("rollout.calculator:MAX_EXPRESSION_CHARS", "is a int, not callable"),
         ("/nonexistent/env.py:Env", "no file"),
-        ("calculatorr", "is not 'package.module:name'"),
     ],
 )
-def test_a_bad_environment_is_refused_at_load(spec, words):
-    with pytest.raises(ConfigError) as err:
-        load_config(overrides=[f"task.environment={spec}"], environ={})
+def test_a_bad_environment_is_refused_before_any_work(spec, words):
+    """The config parses (nothing is imported then: the REST API confines a file first); every
+    command's start (``check_run_paths``) imports it, one line naming the field."""
+    cfg = load_config(overrides=[f"task.environment={spec}"], environ={})
+    with pytest.raises(ValueError) as err:
+        check_run_paths(cfg)
     message = str(err.value)
     assert message.startswith("task.environment:") and words in message and "\n" not in message
+    with pytest.raises(ValueError, match=r"task\.environment"):
+        EpisodeRunner.from_config(cfg.task)
 
 
-def test_an_environment_that_raises_on_import_is_refused_at_load(tmp_path):
+def test_reval_train_with_an_environment_that_raises_on_import_stops_in_one_line(tmp_path, capsys):
     path = tmp_path / "broken.py"
     path.write_text("raise RuntimeError('missing API key')\n")
-    with pytest.raises(ConfigError, match=r"task\.environment: .*RuntimeError: missing API key"):
-        load_config(overrides=[f"task.environment={path}:Env"], environ={})
+    code = cli_main(["train", "--set", f"task.environment={path}:Env",
+                     "--set", f"output_dir={tmp_path}"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert "task.environment: cannot import" in err and "RuntimeError: missing API key" in err
+    assert not (tmp_path / "demo").exists()  # nothing was started
 
 
 def test_episode_arrays_are_typed():
