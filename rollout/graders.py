@@ -13,9 +13,11 @@ grading processes of ``rollout/verify.py``, through ``rollout/rewards.py``'s ``R
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,19 +67,19 @@ _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 _HARNESS = """
 import json, sys
 source, tests = json.loads(sys.stdin.read())
-passed = 0
+passed, ran = 0, 1
 namespace = {"__name__": "solution"}
 try:
     exec(compile(source, "solution.py", "exec"), namespace)
 except BaseException:
-    tests = []
+    tests, ran = [], 0
 for test in tests:
     try:
         exec(compile(test, "test.py", "exec"), dict(namespace))
         passed += 1
     except BaseException:
         pass
-print("REVAL_PASSED", passed)
+print("REVAL_PASSED", passed, ran)
 """
 
 
@@ -114,23 +116,26 @@ def code_tests(
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     with tempfile.TemporaryDirectory(prefix="reval-code-") as tmp:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", _HARNESS],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=tmp,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            preexec_fn=limits,
+            start_new_session=True,  # (its own process group: killed whole on timeout)
+        )
         try:
-            done = subprocess.run(
-                [sys.executable, "-I", "-c", _HARNESS],
-                input=json.dumps([source, tests]),
-                capture_output=True,
-                text=True,
-                cwd=tmp,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                timeout=timeout_s,
-                preexec_fn=limits,
-                start_new_session=True,
-            )
+            stdout, _ = proc.communicate(json.dumps([source, tests]), timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return {"score": 0.0, "passed": 0.0, "compiled": 0.0}
-    found = re.search(r"^REVAL_PASSED (\d+)$", done.stdout, re.MULTILINE)
-    passed = int(found.group(1)) if found else 0
-    ran = 1.0 if found is not None and (passed or not done.stderr) else 0.0
+    found = re.search(r"^REVAL_PASSED (\d+) ([01])$", stdout, re.MULTILINE)
+    passed, ran = (int(found.group(1)), float(found.group(2))) if found else (0, 0.0)
     return {"score": passed / len(tests) if tests else 0.0, "passed": float(passed),
             "compiled": ran}  # fmt: skip
 
