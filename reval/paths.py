@@ -154,9 +154,10 @@ def reward_file(spec: str) -> str | None:
 
 
 def load_reward(spec: str, field: str = "task.reward") -> Callable[..., Any]:
-    """The callable a reward spec names, loaded by ``reval.plugins.load_object`` (the one loader
-    of user code; a file is imported once per process). Raises ``RewardNotFound``."""
-    from reval.plugins import load_object
+    """The callable a reward spec names, by ``reval.plugins.load_callable`` (the one loader of
+    user code; a file is imported once per process), a missing file with the nearest existing
+    one. Raises ``RewardNotFound``."""
+    from reval.plugins import load_callable
 
     path = reward_file(spec)
     if path is not None and not Path(path).expanduser().is_file():
@@ -164,12 +165,10 @@ def load_reward(spec: str, field: str = "task.reward") -> Callable[..., Any]:
             f"{field}: the file {path!r} does not exist{_hint(Path(path), Path.is_file)}"
         )
     try:
-        target = load_object(spec)
+        target: Callable[..., Any] = load_callable(spec, field)
     except ValueError as err:
-        raise RewardNotFound(f"{field}: {err}") from None
-    if not callable(target):
-        raise RewardNotFound(f"{field}: {spec!r} is a {type(target).__name__}, not a function")
-    return target  # type: ignore[no-any-return]
+        raise RewardNotFound(str(err)) from None
+    return target
 
 
 def check_reward(spec: str, args: Mapping[str, Any], field: str = "task.reward") -> None:

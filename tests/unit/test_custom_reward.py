@@ -209,7 +209,7 @@ def test_a_reward_makes_the_task_custom_and_a_custom_task_needs_its_parts(tmp_pa
         ("no_such_package.rewards:score", {}, r"task.reward: cannot import 'no_such_package"),
         ("{dir}/missing.py:score", {}, r"task.reward: the file '.*missing.py' does not exist"),
         ("{file}:scroe", {}, r"task.reward: .* has no 'scroe'"),
-        ("{file}:NOT_CALLABLE", {}, r"task.reward: .* is a int, not a function"),
+        ("{file}:NOT_CALLABLE", {}, r"task.reward: .* is a int, not callable"),
         ("{file}:exact", {"unknown": 1}, r"task.reward: .* cannot be called as f\(prompt, "),
         ("rollout.graders:regex_format", {}, r"missing a required argument: 'pattern'"),
     ],
