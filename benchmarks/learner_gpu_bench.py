@@ -28,7 +28,7 @@ vocabulary, random weights): for equal lengths (32 x (512 + 3,584)) and RL-like 
 trajectories as above), the update of ReVal with the reference computed and with it cached, of
 GRPO, and a plain HF step on the same tokens (the model's own loss over full logits, padded
 micro-batches under the same token budget, AdamW): seconds per update (median of ``--reps``
-after a warm-up), useful tokens/s, useful-token MFU (6 N + causal attention FLOPs per useful
+after two warm-ups), useful tokens/s, useful-token MFU (6 N + causal attention FLOPs per useful
 token, plus the reference forward where it runs, against ``--peak-tflops``) and peak memory.
 Activation checkpointing as ``--checkpointing`` says (``auto``: ``learner/memory.py``'s plan,
 printed). ``--attention loop`` runs packed rows through per-sequence sdpa instead of the flash
@@ -269,7 +269,9 @@ def sync(device: torch.device) -> None:
 
 
 def measure(run: Any, device: torch.device, reps: int) -> tuple[float, int]:
-    """Median seconds of ``run()`` over ``reps`` after one warm-up, and the peak memory."""
+    """Median seconds of ``run()`` over ``reps`` after two warm-ups (the first updates of a
+    learner allocate AdamW's state and warm the allocator and kernels), and the peak memory."""
+    run()
     run()
     sync(device)
     if device.type == "cuda":
