@@ -57,6 +57,13 @@ def _settings(cfg: Any, samples_per_insert: float | None, limits: RecordLimits) 
     }
 
 
+def _where(redis: Any) -> tuple[str, str]:
+    """(url, key prefix) of a ``RedisConfig``."""
+    if redis is None:
+        raise ValueError("buffer.backend=redis needs the run's redis section (redis.url)")
+    return str(redis.url), str(redis.prefix)
+
+
 def make_buffer(
     cfg: Any,
     run: str,
@@ -65,23 +72,26 @@ def make_buffer(
     reset: bool = False,
     samples_per_insert: float | None = None,
     limits: RecordLimits = NO_LIMITS,
+    redis: Any = None,
 ) -> ReplayBuffer:
     """Both halves of the buffer a ``BufferConfig`` describes, for run ``run``, in one object
     (a process that fills and drains its own ring: ``reval train``). ``reset``: start it
     empty, whatever a previous run of the same id left in Redis; ``samples_per_insert``: the
     run's K, ``RunConfig.samples_per_insert``, when the section leaves it unset; ``limits``:
-    what the consumer does with a record, a record beyond them is quarantined."""
+    what the consumer does with a record, a record beyond them is quarantined; ``redis``: the
+    run's ``RedisConfig`` (where the Redis backend lives)."""
     common = _settings(cfg, samples_per_insert, limits)
     if cfg.backend == "memory":
         return MemoryRing(cfg.capacity, seed=seed or 0, metrics=metrics, **common)
     if cfg.backend == "redis":
         from buffer.redis_ring import RedisRing  # redis-py only where it is used
 
+        url, prefix = _where(redis)
         return RedisRing(
             run,
             cfg.capacity,
-            url=cfg.redis_url,
-            key_prefix=cfg.key_prefix,
+            url=url,
+            key_prefix=prefix,
             seed=seed,
             spool_max_bytes=int(cfg.spool_max_mb * (1 << 20)),
             retry_s=cfg.sample_timeout_s,
@@ -100,6 +110,7 @@ def make_consumer(
     reset: bool = False,
     samples_per_insert: float | None = None,
     limits: RecordLimits = NO_LIMITS,
+    redis: Any = None,
 ) -> ReplayConsumer:
     """The consumer half of the buffer a ``BufferConfig`` describes (the learner's), with the
     arguments of ``make_buffer``. On Redis it holds no producer (no spool, no sender)."""
@@ -108,22 +119,26 @@ def make_consumer(
         from buffer.redis_consumer import RedisConsumer  # redis-py only where it is used
         from buffer.redis_layout import RingLayout
 
+        url, prefix = _where(redis)
         layout = RingLayout(
-            run, cfg.capacity, url=cfg.redis_url, key_prefix=cfg.key_prefix,
-            retry_s=cfg.sample_timeout_s, metrics=metrics, reset=reset,
+            run, cfg.capacity, url=url, key_prefix=prefix, retry_s=cfg.sample_timeout_s,
+            metrics=metrics, reset=reset,
         )  # fmt: skip
         return RedisConsumer(layout, seed=seed, **common)
-    return make_buffer(cfg, run, seed, metrics, reset, samples_per_insert, limits)
+    return make_buffer(cfg, run, seed, metrics, reset, samples_per_insert, limits, redis)
 
 
-def make_producer(cfg: Any, run: str, metrics: BufferMetrics | None = None) -> RedisProducer:
-    """The producer half of the Redis ring a ``BufferConfig`` describes (a rollout worker's:
-    it inserts, spooling while Redis is away, and reads the counters)."""
+def make_producer(
+    cfg: Any, run: str, redis: Any, metrics: BufferMetrics | None = None
+) -> RedisProducer:
+    """The producer half of the Redis ring a ``BufferConfig`` describes, in the Redis that
+    ``redis`` (a ``RedisConfig``) names: a rollout worker's (it inserts, spooling while Redis is
+    away, and reads the counters)."""
     if cfg.backend != "redis":
         raise ValueError("a rollout worker needs buffer.backend=redis (the replay service)")
     from buffer.redis_layout import RingLayout  # redis-py only where it is used
     from buffer.redis_producer import RedisProducer
 
-    layout = RingLayout(run, cfg.capacity, url=cfg.redis_url, key_prefix=cfg.key_prefix,
-                        metrics=metrics)  # fmt: skip
+    url, prefix = _where(redis)
+    layout = RingLayout(run, cfg.capacity, url=url, key_prefix=prefix, metrics=metrics)
     return RedisProducer(layout, spool_max_bytes=int(cfg.spool_max_mb * (1 << 20)))

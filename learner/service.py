@@ -151,9 +151,10 @@ class LearnerService:
             metrics=self.buffer_metrics,
             samples_per_insert=cfg.samples_per_insert,
             limits=RecordLimits(self.vocab_size, cfg.buffer.reward_bound),
+            redis=cfg.redis,
         )
         self.source = BatchSource.from_config(self.ring, cfg)
-        self.client = connect(cfg.buffer.redis_url)
+        self.client = connect(cfg.redis.url)
         world = self.world
         self.learner = Learner(
             self.model,
@@ -181,7 +182,7 @@ class LearnerService:
         self.broadcast_to = 0
         self._files_counted = (0, 0)
         self.saved_step = -1
-        self.control = RunControl(self.client, cfg.buffer.key_prefix, cfg.name)
+        self.control = RunControl(self.client, cfg.redis.prefix, cfg.name)
         self.seen = {"checkpoint": 0, "export": 0}
         if self.rank == 0:
             self._register(resume)
@@ -207,7 +208,7 @@ class LearnerService:
             self.seen = {"checkpoint": st.checkpoint, "export": st.export}
             self.control.clear_stale_stop(self.started)  # (a stop of an earlier start)
             self.control.record("learner_started", {"resume": resume})
-            if adopt_run(self.client, cfg.buffer.key_prefix, cfg.name, public_dump(cfg)):
+            if adopt_run(self.client, cfg.redis.prefix, cfg.name, public_dump(cfg)):
                 log.info("run %s registered for the REST API", cfg.name)
 
     @property
@@ -495,7 +496,7 @@ class LearnerService:
         if self.rank != 0:
             return
         alive = registry.count_alive(
-            self.client, self.cfg.buffer.key_prefix, self.cfg.name, self.cfg.rollout.heartbeat_s
+            self.client, self.cfg.redis.prefix, self.cfg.name, self.cfg.rollout.heartbeat_s
         )
         self.metrics.workers.set(alive)
         try:
@@ -666,8 +667,8 @@ def _take_lease(cfg: RunConfig) -> RunLease | None:
     verdict: list[Any] = [None]
     lease = None
     if dist.get_rank() == 0:
-        client = connect(cfg.buffer.redis_url)
-        lease = RunLease(client, cfg.buffer.key_prefix, cfg.name, cfg.learner.lease_s)
+        client = connect(cfg.redis.url)
+        lease = RunLease(client, cfg.redis.prefix, cfg.name, cfg.learner.lease_s)
         try:
             lease.acquire()
         except LeaseHeld as err:

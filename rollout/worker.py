@@ -188,7 +188,7 @@ class RolloutWorker:
         b = cfg.buffer
         if b.backend != "redis":
             raise ValueError("a rollout worker needs buffer.backend=redis (the replay service)")
-        self.client = client or connect(b.redis_url)
+        self.client = client or connect(cfg.redis.url)
         self.stop = threading.Event()
         self.stats = WorkerStats()
         self.engine, self.tokenizer = build_engine(cfg, cfg.seed, self.worker_id)
@@ -197,12 +197,12 @@ class RolloutWorker:
         )
         self.episodes = EpisodeRunner.from_config(cfg.task)
         """The multi-turn environment of ``task.environment`` (None: single-turn answers)."""
-        self.ring = make_producer(b, cfg.name, metrics=BufferMetrics(self.metrics.registry))
+        self.ring = make_producer(b, cfg.name, cfg.redis, BufferMetrics(self.metrics.registry))
         self.dealer = PromptDealer(
-            self.client, b.key_prefix, cfg.name, list(self.task.prompts), seed=cfg.seed
+            self.client, cfg.redis.prefix, cfg.name, list(self.task.prompts), seed=cfg.seed
         )
         self.weights = build_subscriber(cfg, self.client, self.worker_id)
-        self.control = RunControl(self.client, b.key_prefix, cfg.name)
+        self.control = RunControl(self.client, cfg.redis.prefix, cfg.name)
         self.paused = False
         self.status = "starting"
         """What the registration says: starting, running or paused."""
@@ -239,9 +239,8 @@ class RolloutWorker:
             "trajectories": self.stats.trajectories,
             "last_seen": time.time(),
         }
-        b = self.cfg.buffer
         try:
-            registry.register(self.client, b.key_prefix, self.cfg.name, info,
+            registry.register(self.client, self.cfg.redis.prefix, self.cfg.name, info,
                               self.cfg.rollout.heartbeat_s)  # fmt: skip
         except (redis.ConnectionError, redis.TimeoutError) as err:
             log.warning("heartbeat failed (Redis unreachable): %s", err)
@@ -252,7 +251,7 @@ class RolloutWorker:
 
     def _deregister(self) -> None:
         try:
-            registry.deregister(self.client, self.cfg.buffer.key_prefix, self.cfg.name,
+            registry.deregister(self.client, self.cfg.redis.prefix, self.cfg.name,
                                 self.worker_id)  # fmt: skip
         except (redis.ConnectionError, redis.TimeoutError) as err:
             log.warning("could not deregister (Redis unreachable): %s", err)
@@ -303,7 +302,7 @@ class RolloutWorker:
             return
         from rollout.tasks import apply_task_setup
 
-        key = registry.task_key(self.cfg.buffer.key_prefix, self.cfg.name)
+        key = registry.task_key(self.cfg.redis.prefix, self.cfg.name)
         deadline = time.monotonic() + timeout_s
         while not self.stop.is_set():
             try:

@@ -40,10 +40,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from pydantic import BaseModel, ConfigDict, Field
 
 from reval.config import (
+    DEPRECATED_REDIS,
     ENV_PREFIX,
     ApiConfig,
     BufferConfig,
     ConfigError,
+    RedisConfig,
     RunConfig,
     build_config,
     public_dump,
@@ -421,7 +423,8 @@ def create_app(
             return launcher(name, path)
         # The run's Redis URL is the API's own (create_run made it so); its password reaches
         # the run through the environment, never through a file or the runs hash.
-        env = {**os.environ, f"{ENV_PREFIX}BUFFER__REDIS_URL": cfg.redis_url}
+        env = {**os.environ, f"{ENV_PREFIX}REDIS__URL": cfg.redis_url}
+        env.pop(f"{ENV_PREFIX}BUFFER__REDIS_URL", None)  # (the old name: it would conflict)
         if cfg.ray_address:
             env["RAY_ADDRESS"] = cfg.ray_address
         elif not env.get("RAY_ADDRESS"):
@@ -484,18 +487,25 @@ def create_app(
                                            "type": "value_error"}])  # fmt: skip
             return dict(value)
 
-        buffer = section("buffer")
+        buffer, redis_section = section("buffer"), section("redis")
         # The run uses the API's replay service and key prefix: the API must see its keys (a
         # default left in a resolved config is replaced; another explicit value is refused).
-        for key, value in (("backend", "redis"), ("redis_url", cfg.redis_url),
-                           ("key_prefix", cfg.key_prefix)):  # fmt: skip
-            given = buffer.get(key, value)
-            if given != value and given != BufferConfig.model_fields[key].default:
-                raise HTTPException(422, [{"loc": ["body", "config", "buffer", key],
-                                           "msg": f"this API manages runs with {key}={value!r}",
+        for name, key, value in (("buffer", "backend", "redis"), ("redis", "url", cfg.redis_url),
+                                 ("redis", "prefix", cfg.key_prefix)):  # fmt: skip
+            where = buffer if name == "buffer" else redis_section
+            model = BufferConfig if name == "buffer" else RedisConfig
+            old = next((o for o, n in DEPRECATED_REDIS.items() if n == key), None)
+            loc = [name, key]
+            given = where.get(key, value)
+            if name == "redis" and old in buffer:  # (the deprecated name, buffer.<old>)
+                given, loc = buffer.pop(old), ["buffer", old]
+            if given != value and given != model.model_fields[key].default:
+                raise HTTPException(422, [{"loc": ["body", "config", *loc],
+                                           "msg": f"this API manages runs with {name}.{key}="
+                                                  f"{value!r}",
                                            "type": "value_error"}])  # fmt: skip
-            buffer[key] = value
-        data["buffer"] = buffer
+            where[key] = value
+        data["buffer"], data["redis"] = buffer, redis_section
         # (a resolved config, as ``reval runs create`` sends, carries the default: the API's)
         if data.get("output_dir") in (None, RunConfig.model_fields["output_dir"].default):
             data["output_dir"] = cfg.output_dir

@@ -122,9 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         "(a running learner exports on SIGUSR1)",
     )
     r = sub.add_parser("rollout", help="run one rollout worker (generate, verify, push)")
-    _config_args(
-        r, "override a field, e.g. --set buffer.redis_url=redis://host:6379/0 (repeatable)"
-    )
+    _config_args(r, "override a field, e.g. --set redis.url=redis://host:6379/0 (repeatable)")
     r.add_argument(
         "--engine",
         choices=["hf", "vllm"],

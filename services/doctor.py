@@ -219,13 +219,14 @@ def check_ports(cfg: RunConfig, f: Facts) -> Check:
 def check_redis(cfg: RunConfig, error: str | None) -> Check:
     if cfg.buffer.backend != "redis":
         return Check("redis", "skip", "buffer.backend=memory: no Redis")
-    url = cfg.buffer.redis_url
+    url = cfg.redis.url
     if error is not None:
         return Check(
             "redis",
             "fail",
             f"cannot reach Redis at {url}: {error}. Start it (docker compose up -d redis, or "
-            "scripts/ensure_redis.sh) or set buffer.redis_url (REVAL__BUFFER__REDIS_URL)",
+            "scripts/ensure_redis.sh) or set redis.url (REVAL__REDIS__URL; the old way, to set "
+            "buffer.redis_url, still works but is deprecated)",
         )
     return Check("redis", "ok", f"{url} answers PING")
 
@@ -335,7 +336,7 @@ def gather(cfg: RunConfig) -> Facts:
 
 
 def redis_error(cfg: RunConfig, timeout_s: float = 3.0) -> str | None:
-    """Why Redis at ``buffer.redis_url`` does not answer PING (None: it does)."""
+    """Why Redis at ``redis.url`` does not answer PING (None: it does)."""
     if cfg.buffer.backend != "redis":
         return None
     import redis
@@ -343,7 +344,7 @@ def redis_error(cfg: RunConfig, timeout_s: float = 3.0) -> str | None:
     from reval.redis import connect
 
     try:
-        client = connect(cfg.buffer.redis_url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
+        client = connect(cfg.redis.url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
         client.ping()
         client.close()
     except (redis.RedisError, ValueError, OSError) as err:
@@ -370,7 +371,7 @@ def add_parser(sub: Any) -> None:
                        "memory, ports, Redis, vLLM, disk")  # fmt: skip
     d.add_argument("--config", help="TOML config (default: configs/demo.toml)")
     d.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field (repeatable), e.g. buffer.redis_url=...")  # fmt: skip
+                   help="override a field (repeatable), e.g. redis.url=...")  # fmt: skip
     d.add_argument("--json", action="store_true", help="one JSON object per check")
 
 

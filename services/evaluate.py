@@ -277,10 +277,9 @@ def follow(
     if every < 1:
         raise ValueError("--every must be >= 1")
     stop = stop or threading.Event()
-    b = cfg.buffer
-    client = connect(b.redis_url)
+    client = connect(cfg.redis.url)
     store = run_store(cfg, client)
-    control = RunControl(client, b.key_prefix, cfg.name)
+    control = RunControl(client, cfg.redis.prefix, cfg.name)
     engine, tokenizer, params, loaded = _prepare(cfg, benchmarks, data_dir)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     writer = JsonlWriter(cfg.run_dir / "eval.jsonl")

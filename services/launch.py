@@ -256,8 +256,8 @@ class Launch:
         from reval.redis import connect
 
         self.control = RunControl(
-            connect(cfg.buffer.redis_url, timeout_s=5),
-            cfg.buffer.key_prefix,
+            connect(cfg.redis.url, timeout_s=5),
+            cfg.redis.prefix,
             cfg.name,
         )
         # Where `reval launch --add/--status` (another process) finds this run's Ray cluster:
@@ -617,8 +617,8 @@ def _recorded_address(cfg: RunConfig) -> tuple[str | None, str | None]:
     from reval.redis import connect, control_key
 
     try:
-        client = connect(cfg.buffer.redis_url, timeout_s=5)
-        raw = client.hmget(control_key(cfg.buffer.key_prefix, cfg.name),
+        client = connect(cfg.redis.url, timeout_s=5)
+        raw = client.hmget(control_key(cfg.redis.prefix, cfg.name),
                            ["ray_address", "ray_auth_mode"])  # fmt: skip
     except redis.RedisError:
         return None, None

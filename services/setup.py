@@ -119,9 +119,9 @@ def _share_task(cfg: RunConfig, task: Task | None, resume: bool) -> None:
 
     from reval.redis import connect, task_key
 
-    client = connect(cfg.buffer.redis_url)
+    client = connect(cfg.redis.url)
     try:
-        key = task_key(cfg.buffer.key_prefix, cfg.name)
+        key = task_key(cfg.redis.prefix, cfg.name)
         if resume and client.exists(key):
             return
         if task is None:

@@ -132,7 +132,7 @@ def train(
     buffer_metrics = BufferMetrics(metrics.registry)
     buffer = make_buffer(
         cfg.buffer, cfg.name, cfg.seed, buffer_metrics, True,
-        samples_per_insert=cfg.samples_per_insert,
+        samples_per_insert=cfg.samples_per_insert, redis=cfg.redis,
     )  # fmt: skip
     source = BatchSource.from_config(buffer, cfg)
     step = UpdateStep(learner, cfg, buffer, UpdateMetrics(metrics.registry))

@@ -399,7 +399,7 @@ def test_the_redis_password_is_never_written(tmp_path, redis_url, redis_prefix, 
     run = build_config({"buffer": {"backend": "redis", "redis_url": url}})
     dump_config(run, tmp_path / "config.json")
     assert "s3cret-pw" not in (tmp_path / "config.json").read_text()
-    assert public_dump(run)["buffer"]["redis_url"] == f"redis://default:***@{host}"
+    assert public_dump(run)["redis"]["url"] == f"redis://default:***@{host}"
 
 
 # -- issue 25: the 409's advice leads to a command that works --------------------------------------

@@ -68,8 +68,8 @@ def publish(cfg, version: int, perturb: float = 0.0, broadcast: str | None = Non
             for p in policy.model.parameters():
                 p.add_(perturb * torch.randn_like(p))
     store = WeightStore(
-        redis.Redis.from_url(cfg.buffer.redis_url),
-        cfg.buffer.key_prefix,
+        redis.Redis.from_url(cfg.redis.url),
+        cfg.redis.prefix,
         cfg.name,
         cfg.sync.weights_dir or cfg.run_dir / "weights",
     )
@@ -77,9 +77,7 @@ def publish(cfg, version: int, perturb: float = 0.0, broadcast: str | None = Non
 
 
 def ring_of(cfg) -> RedisRing:
-    return RedisRing(
-        cfg.name, cfg.buffer.capacity, url=cfg.buffer.redis_url, key_prefix=cfg.buffer.key_prefix
-    )
+    return RedisRing(cfg.name, cfg.buffer.capacity, url=cfg.redis.url, key_prefix=cfg.redis.prefix)
 
 
 def spawn(cfg_args: list[str], *args: str) -> subprocess.Popen[str]:
