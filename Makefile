@@ -77,6 +77,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy $(LIGHT)
+	$(BIN)/python scripts/check_imports.py
 
 test: lint $(VLLM_STAMP)
 	scripts/ensure_redis.sh

@@ -238,7 +238,7 @@ class TaskConfig(_Section):
     def _custom_needs(self) -> TaskConfig:
         if self.kind == "custom" and (self.reward is None or self.dataset is None):
             missing = "task.reward" if self.reward is None else "task.dataset"
-            raise ValueError(f"task.kind=custom needs {missing} (docs/tasks.md)")
+            raise ValueError(f"kind=custom needs {missing} (docs/tasks.md)")
         return self
 
 

@@ -197,7 +197,7 @@ def test_a_reward_makes_the_task_custom_and_a_custom_task_needs_its_parts(tmp_pa
     cfg = cfg_with(tmp_path, f"task.reward={rewards}:exact")  # (the demo preset says addition)
     assert cfg.task.kind == "custom"
     check_run_paths(cfg)  # imports, callable, the call fits
-    with pytest.raises(ConfigError, match=r"task.kind=custom needs task.reward"):
+    with pytest.raises(ConfigError, match=r"task: kind=custom needs task.reward \(docs/tasks.md\)"):
         cfg_with(tmp_path, "task.kind=custom")
     with pytest.raises(ConfigError, match=r"task.reward.*not 'package.module:function'"):
         cfg_with(tmp_path, "task.reward=no_colon")
