@@ -1,4 +1,4 @@
-"""Pure loss functions over tensors (ALGORITHM.md §2).
+"""Pure loss functions over tensors (docs/algorithm.md §2).
 
 Shapes: ``B`` trajectories, ``T`` response positions. Every function returns a ``LossOutput``:
 the scalar loss to backpropagate, the per-trajectory residual (for priorities and logging) and

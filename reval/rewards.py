@@ -1,4 +1,4 @@
-"""Reward transforms, fixed per trajectory at collection time (ALGORITHM.md §4).
+"""Reward transforms, fixed per trajectory at collection time (docs/algorithm.md §4).
 
 Torch-free: rollout workers apply them per prompt group before pushing to the buffer.
 """

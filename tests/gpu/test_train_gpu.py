@@ -33,7 +33,7 @@ def test_short_training_on_cuda_bf16(tmp_path):
 
 
 def test_calibrated_init_in_bf16_on_cuda():
-    """ALGORITHM.md §8: in bf16, theta = ref holds only up to kernel noise; measure it."""
+    """docs/algorithm.md §8: in bf16, theta = ref holds only up to kernel noise; measure it."""
     from learner.trainer import Learner
     from reval.config import AlgoConfig, LearnerConfig, ModelConfig
     from reval.policy import load_policy

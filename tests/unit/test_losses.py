@@ -1,4 +1,4 @@
-"""ALGORITHM.md §6 properties and §7 test vectors, on CPU in float64."""
+"""docs/algorithm.md §6 properties and §7 test vectors, on CPU in float64."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def loss_of(kind, z, zref, y, m, r, beta):
 
 
 def closed_form_grad(kind, z, y, m, delta):
-    """ALGORITHM.md §3: dL/dz at logit level."""
+    """docs/algorithm.md §3: dL/dz at logit level."""
     bsz = z.shape[0]
     p = z.softmax(-1)
     onehot = torch.nn.functional.one_hot(y, z.shape[-1]).to(z.dtype)
