@@ -11,6 +11,8 @@
 # Cached between runs: the rootfs tarball and the torch wheel in $REVAL_IMAGE_CACHE, the images
 # (an image that exists is not rebuilt; REVAL_REBUILD_BASE=1 rebuilds them) and Docker's layer
 # cache (reval:cpu's dependency layer is rebuilt only when pyproject.toml changes).
+# REVAL_IMAGE_TREE=head builds reval:cpu from the last commit (git archive HEAD) instead of the
+# working tree: a tree with uncommitted work of others in it may not run.
 # Needs root, a running Docker engine (scripts/docker_engine.sh) and, on Debian, installs
 # debootstrap when it is missing.
 set -euo pipefail
@@ -78,5 +80,15 @@ have reval-local/redis:7 ||
 have reval-local/prometheus:2 ||
   build reval-local/prometheus:2 deploy/docker/local/Dockerfile.prometheus deploy/docker/local
 # reval:cpu always goes through docker build: its layer cache makes an unchanged tree a no-op.
-build reval:cpu deploy/docker/Dockerfile.cpu . --build-arg BASE_IMAGE=reval-local/python:3.11
+tree=.
+if [[ ${REVAL_IMAGE_TREE:-worktree} == head ]]; then
+  tree=$(mktemp -d)
+  trap 'rm -rf "$tree"' EXIT
+  git archive HEAD | tar -x -C "$tree"
+fi
+build reval:cpu "$tree/deploy/docker/Dockerfile.cpu" "$tree" \
+  --build-arg BASE_IMAGE=reval-local/python:3.11
 say "done"
+# What the compose files need to use these images instead of the official ones.
+echo "export REVAL_REDIS_IMAGE=reval-local/redis:7 REVAL_PROMETHEUS_IMAGE=reval-local/prometheus:2"
+echo "export REVAL_BASE_IMAGE=reval-local/python:3.11"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -228,13 +229,25 @@ def test_reval_runs_pauses_resumes_sets_and_scales(stack: Stack) -> None:
     stack.runs("scale", RUN, "2")
 
 
+def worker_ids(stack: Stack) -> set[str]:
+    return {w["id"] for w in stack.run_info().get("workers") or []}
+
+
 def test_a_killed_worker_container_is_survived(stack: Stack) -> None:
-    victim = stack.container("rollout-1")
-    subprocess.run(["docker", "kill", victim], check=True, capture_output=True)
-    stack.advances(3, 180)  # rollout-0 feeds the learner on its own
-    # restart: on-failure brings the container back, and it registers again.
-    wait_for(lambda: len(stack.run_info().get("workers") or []) == 2, 180, "rollout-1 back")
+    before = worker_ids(stack)
+    # `docker kill`: the container stays down (a manual stop); rollout-0 feeds the learner alone.
+    subprocess.run(["docker", "kill", stack.container("rollout-1")], check=True,
+                   capture_output=True)  # fmt: skip
+    stack.advances(3, 180)
+    stack.compose("start", "rollout-1")
+    # A crash (the worker's process killed under it): restart: on-failure starts it again.
+    inspect = ["docker", "inspect", "-f", "{{.State.Pid}}", stack.container("rollout-0")]
+    pid = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout
+    os.kill(int(pid), signal.SIGKILL)
+    # Both come back as new workers (a new id each) and pass their health checks again.
+    wait_for(lambda: len(worker_ids(stack) - before) >= 2, 240, "both workers registered again")
     stack.wait_healthy(WORKERS, 120)
+    stack.advances(3, 120)
 
 
 def paused_buffer(stack: Stack) -> dict[str, Any]:
