@@ -139,7 +139,8 @@ class RewardFunction:
                 return [Graded(0.0, "not_a_number", why)] * len(items)
             return [to_graded(v) for v in out]
         if self.is_async:
-            return self._run(self._gather(items))
+            gathered: list[Graded] = self._run(self._gather(items))
+            return gathered
         graded = []
         for prompt, completion, metadata in items:
             try:
