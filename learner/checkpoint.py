@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from reval.paths import free_space, last_line
+from reval.run_dir import LATEST, latest_in
 
 STATE_FILE = "reval_state.json"
 PARTIAL = ".partial"
@@ -81,9 +82,9 @@ def save_checkpoint(
             if path.exists():  # (the same step again: a learner resumed from before it)
                 shutil.rmtree(path)
             os.replace(partial, path)
-            latest = ckpt_dir / f"latest{PARTIAL}"
+            latest = ckpt_dir / f"{LATEST}{PARTIAL}"
             latest.write_text(path.name)
-            os.replace(latest, ckpt_dir / "latest")
+            os.replace(latest, ckpt_dir / LATEST)
     except (OSError, RuntimeError, CheckpointException) as err:
         error = err
     if lead and error is not None:
@@ -101,11 +102,8 @@ def save_checkpoint(
     return path
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    latest = ckpt_dir / "latest"
-    if not latest.is_file():
-        return None
-    return ckpt_dir / latest.read_text().strip()
+latest_checkpoint = latest_in
+"""The newest complete checkpoint under a checkpoints directory (``reval/run_dir.py``)."""
 
 
 def load_checkpoint(

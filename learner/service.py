@@ -132,7 +132,7 @@ class LearnerService:
             raise ValueError(f"learner.batch_size ({b}) must divide by world_size ({self.world})")
         self.device = rank_device(os.environ, torch.cuda.device_count(), cfg.model.device)
         self.run_dir = cfg.run_dir
-        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ckpt_dir = cfg.paths.checkpoints
         self.metrics = LearnerMetrics()
         self.started = time.time()
         self.stop = threading.Event()
@@ -175,7 +175,7 @@ class LearnerService:
             reduce=reduce_scalar if world > 1 else None,
             gather=_gather if world > 1 else None,
         )
-        self.writer = JsonlWriter(self.run_dir / "learner.jsonl") if self.rank == 0 else None
+        self.writer = JsonlWriter(cfg.paths.learner_log) if self.rank == 0 else None
         # The one weight sender (every rank gathers; rank 0 broadcasts, writes and announces).
         self.sender = build_sender(cfg, self.client if self.rank == 0 else None, self.rank,
                                    self.device, compute_dtype(cfg.model))  # fmt: skip
@@ -314,7 +314,7 @@ class LearnerService:
         return todo
 
     def export_path(self) -> Path:
-        return self.run_dir / "exports" / f"step-{self.learner.step:08d}"
+        return self.cfg.paths.export(self.learner.step)
 
     def export_hf(self, path: Path) -> Path | None:
         """A consolidated Hugging Face checkpoint (``learner/export.py``); every rank calls it
@@ -389,7 +389,7 @@ class LearnerService:
         cfg = self.cfg
         total = cfg.learner.max_steps or cfg.learner.rounds * cfg.learner.updates_per_round
         if self.rank == 0:
-            dump_config(cfg, self.run_dir / "config.json")
+            dump_config(cfg, cfg.paths.config)
             # Longer than the context: quarantined on read.
             self.ring.limits = context_limits(self.ring.limits, self.model.config)
         self.publish()  # the workers wait for these before they generate
@@ -465,7 +465,7 @@ class LearnerService:
             self.save_checkpoint()
         finished = self.step.counts.updates >= total
         if finished and not (self.lease is not None and self.lease.lost.is_set()):
-            self.export_hf(self.run_dir / "final")
+            self.export_hf(self.cfg.paths.final)
         self._status("done" if finished else "stopped")
         self.sender.close()
         return self.state
@@ -693,7 +693,7 @@ def main(
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if export:
         resume = True
-        if not (cfg.run_dir / "checkpoints" / "latest").is_file():
+        if not cfg.paths.has_checkpoint():
             raise ValueError(f"--export: no checkpoint under {cfg.run_dir / 'checkpoints'}")
     if "RANK" in os.environ:
         state = run_rank(cfg, resume, None, export_only=export)
@@ -705,7 +705,7 @@ def main(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = str(cfg.run_dir / "learner_state.json")
+    out = str(cfg.paths.learner_state)
     # Children ignore SIGINT/SIGTERM until they install their handlers; the parent forwards.
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [

@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from reval.run_dir import RunDir
+
 ENV_PREFIX = "REVAL__"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "demo.toml"
@@ -649,6 +651,11 @@ class RunConfig(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    @property
+    def paths(self) -> RunDir:
+        """The run directory's files (``reval/run_dir.py``)."""
+        return RunDir(self.run_dir)
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

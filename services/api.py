@@ -60,6 +60,7 @@ from reval.redis import (
     worker_key,
     workers_index,
 )
+from reval.run_dir import RunDir
 
 log = logging.getLogger("reval.api")
 
@@ -417,7 +418,7 @@ def create_app(
     def launch(name: str, entry: dict[str, Any]) -> int:
         run_dir = Path(cfg.output_dir) / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / "config.request.json"
+        path = RunDir(run_dir).request_config
         path.write_text(json.dumps(entry["config"], indent=2))
         if launcher is not None:
             return launcher(name, path)
@@ -430,9 +431,9 @@ def create_app(
         elif not env.get("RAY_ADDRESS"):
             env.pop("RAY_ADDRESS", None)  # (an empty one would not mean "local")
         cmd = [sys.executable, "-m", "services.cli", "launch", "--config", str(path)]
-        if (run_dir / "checkpoints" / "latest").is_file():
+        if RunDir(run_dir).has_checkpoint():
             cmd.append("--resume")  # a run started again continues from its checkpoint
-        with (run_dir / "launch.log").open("ab") as log_file:
+        with RunDir(run_dir).launch_log.open("ab") as log_file:
             proc = subprocess.Popen(
                 cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )  # (it outlives this API process)
@@ -538,7 +539,7 @@ def create_app(
         old = store.get(name)
         if old is not None and info(name, old).phase not in (*FINISHED, "registered"):
             raise HTTPException(409, f"run {name!r} exists and is live")
-        checkpoints = (run_cfg.run_dir / "checkpoints" / "latest").is_file()
+        checkpoints = run_cfg.paths.has_checkpoint()
         if checkpoints and not body.resume:
             raise HTTPException(409, _checkpoints_hint(name, run_cfg.run_dir, old is not None))
         if body.resume and not checkpoints:

@@ -217,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def has_checkpoint(cfg: RunConfig) -> bool:
     """Whether the run directory holds a learner checkpoint to resume from."""
-    return (cfg.run_dir / "checkpoints" / "latest").is_file()
+    return cfg.paths.has_checkpoint()
 
 
 SET_UP_ERRORS = (ConfigError, OSError, ValueError)
@@ -284,7 +284,7 @@ def another_run(cfg: RunConfig) -> str | None:
     ``config.json`` is of a different resolved config, or it has checkpoints and no config."""
     from reval.config import public_dump
 
-    saved = cfg.run_dir / "config.json"
+    saved = cfg.paths.config
     if not saved.is_file():
         return "it holds checkpoints and no config.json" if has_checkpoint(cfg) else None
     try:
@@ -293,7 +293,7 @@ def another_run(cfg: RunConfig) -> str | None:
         return "its config.json cannot be read"
     new = json.loads(json.dumps(public_dump(cfg)))
     saved_model = old.get("model") if isinstance(old.get("model"), dict) else {}
-    if saved_model.get("name_or_path") == str(cfg.run_dir / "initial"):
+    if saved_model.get("name_or_path") == str(cfg.paths.initial):
         # A learner's own preparation: it pretrained into the run's ``initial/`` and saved the
         # config that loads it (services/setup.py); that is still this run.
         for key in ("name_or_path", "pretrain_steps"):
@@ -409,7 +409,7 @@ def _eval(cfg: Any, args: argparse.Namespace) -> int:
     elif cfg.model.name_or_path and Path(cfg.model.name_or_path).is_dir():
         out = Path(cfg.model.name_or_path) / "eval.json"
     else:
-        out = cfg.run_dir / "eval.json"
+        out = cfg.paths.eval_summary
     try:
         if cfg.model.name_or_path is not None:  # (the training datasets are not read here)
             from reval.paths import check_model

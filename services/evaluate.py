@@ -282,7 +282,7 @@ def follow(
     control = RunControl(client, cfg.redis.prefix, cfg.name)
     engine, tokenizer, params, loaded = _prepare(cfg, benchmarks, data_dir)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    writer = JsonlWriter(cfg.run_dir / "eval.jsonl")
+    writer = JsonlWriter(cfg.paths.eval_log)
     done: list[dict[str, Any]] = []
     last: int | None = None
     while not stop.is_set() and (max_evals is None or len(done) < max_evals):

@@ -280,7 +280,7 @@ class Launch:
     # -- learner --------------------------------------------------------------------------------
 
     def _ckpt_exists(self) -> bool:
-        return (self.cfg.run_dir / "checkpoints" / "latest").is_file()
+        return self.cfg.paths.has_checkpoint()
 
     def start_learner(self, resume: bool) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -70,7 +70,7 @@ def exact_success(task: Task, policy: Policy) -> Callable[[], float] | None:
 
 
 def initial_dir(cfg: RunConfig) -> Path:
-    return cfg.run_dir / "initial"
+    return cfg.paths.initial
 
 
 def prepare_learner(cfg: RunConfig, resume: bool) -> RunConfig:

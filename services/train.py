@@ -31,6 +31,7 @@ from learner.trainer import Learner
 from reval.config import RunConfig, TaskConfig, dump_config
 from reval.metrics import JsonlWriter, TrainMetrics
 from reval.policy import Policy, compute_dtype
+from reval.run_dir import RunDir
 from rollout.collect import collect_round, evaluate
 from rollout.dealer import PromptDealer
 from rollout.engines import HFEngine, SamplingParams
@@ -116,7 +117,7 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "curve.png"):
         (run_dir / stale).unlink(missing_ok=True)
-    dump_config(cfg, run_dir / "config.json")
+    dump_config(cfg, cfg.paths.config)
 
     engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device)
     learner = Learner(
@@ -139,7 +140,7 @@ def train(
     if cfg.metrics.prometheus_port is not None:
         port = metrics.serve(cfg.metrics.prometheus_port, cfg.metrics.addr)
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
-    writer = JsonlWriter(run_dir / "metrics.jsonl") if cfg.metrics.jsonl else None
+    writer = JsonlWriter(cfg.paths.metrics) if cfg.metrics.jsonl else None
     dealer = PromptDealer(None, "", cfg.name, list(task.prompts), seed=cfg.seed)
     episodes = EpisodeRunner.from_config(cfg.task)  # (task.environment: multi-turn episodes)
     params = SamplingParams(
@@ -277,11 +278,11 @@ def train(
         close_verifier()
     _checkpoint(run_dir, learner, step, history[-1]["round"])
     with _no_library_progress_bar():  # (transformers' bar of its one shard)
-        ckpt = export_hf(policy.model, policy.tokenizer, run_dir / "final")
+        ckpt = export_hf(policy.model, policy.tokenizer, cfg.paths.final)
     if cfg.metrics.plot:
         from services.plot import plot_curve
 
-        plot_curve(history, run_dir / "curve.png", title=f"{cfg.name}: {cfg.algo.name}")
+        plot_curve(history, cfg.paths.curve, title=f"{cfg.name}: {cfg.algo.name}")
     summary = {
         "initial_success": initial,
         "final_success": success,
@@ -290,7 +291,7 @@ def train(
         "policy_version": learner.step,
         "skipped_steps": learner.skipped_steps,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    cfg.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
     return TrainResult(run_dir, history, initial, success, ckpt)
 
 
@@ -305,7 +306,7 @@ def _checkpoint(run_dir: Path, learner: Learner, step: UpdateStep, rnd: int) -> 
         "skipped_steps": learner.skipped_steps,
     }
     return save_checkpoint(
-        run_dir / "checkpoints", learner.model, learner.reference.model, learner.optimizer, meta
+        RunDir(run_dir).checkpoints, learner.model, learner.reference.model, learner.optimizer, meta
     )
 
 

@@ -194,7 +194,7 @@ class WeightStore:
 
 def run_store(cfg: RunConfig, client: redis.Redis) -> WeightStore:
     """The run's announcement and files (``sync.weights_dir``, default ``{run_dir}/weights``)."""
-    weights_dir = cfg.sync.weights_dir or str(cfg.run_dir / "weights")
+    weights_dir = cfg.sync.weights_dir or str(cfg.paths.weights)
     return WeightStore(client, cfg.redis.prefix, cfg.name, weights_dir)
 
 
