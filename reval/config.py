@@ -282,6 +282,36 @@ class RolloutConfig(_Section):
     ``hf`` engine always seeds."""
     vllm_max_model_len: int | None = Field(None, ge=1)
     """``vllm``: context length (default: the model's)."""
+    streaming: bool | None = None
+    """A rollout worker streams (``rollout/streaming.py``): it keeps ``max_inflight`` answers in
+    the engine, admitting prompts from the deal as others finish, grades and inserts each
+    prompt's group as soon as its last answer is done, and loads new weights between two decode
+    steps (``inflight_updates``). Off: lockstep batches of ``worker_prompts`` prompts (each
+    waits for its longest answer; weights load between batches). Unset: on for ``vllm``, off
+    for ``hf`` (which always runs lockstep: it is for the CPU and tests)."""
+    max_inflight: int | None = Field(None, ge=1)
+    """Streaming: answers in the engine at once (a prompt's ``n`` answers take ``n``). Default:
+    a lockstep batch's, ``worker_prompts * n``."""
+    inflight_updates: Literal["keep", "recompute", "finish"] = "keep"
+    """Streaming: what a new weight version does to the answers in the engine. ``keep``: they
+    pause between two decode steps, the weights load, they go on with their KV cache (computed
+    under the older weights; the engine runs without prefix caching). ``recompute``: the same,
+    their KV cache computed again under the new weights. ``finish``: no prompt is admitted until
+    they have finished on the old weights (the lockstep worker's behaviour), then it loads."""
+
+    @model_validator(mode="after")
+    def _streaming_engine(self) -> RolloutConfig:
+        if self.streaming and self.engine != "vllm":
+            raise ValueError("rollout.streaming=true needs rollout.engine=vllm (hf runs lockstep)")
+        if self.max_inflight is not None and self.max_inflight < self.n:
+            raise ValueError(
+                f"rollout.max_inflight ({self.max_inflight}) must be >= rollout.n ({self.n})"
+            )
+        return self
+
+    def streams(self) -> bool:
+        """Whether a rollout worker streams (``streaming``, by engine when unset)."""
+        return self.engine == "vllm" if self.streaming is None else self.streaming
 
 
 class BufferConfig(_Section):

@@ -44,6 +44,19 @@ checked by ``tests/integration/test_engine_conformance.py`` on the CPU:
   process holds no copy. The receiver keeps one received version in the worker's memory (device
   memory under NCCL) until ``take`` loads it between batches: the hub does not wait for
   generation to pause.
+- Streaming (``rollout/streaming.py``): ``submit``/``step`` drive ``LLM.llm_engine`` (the V1
+  ``LLMEngine``) request by request, each request one prompt's ``n`` answers reported once, when
+  the last finishes (``RequestOutputKind.FINAL_ONLY``). In-flight updates use the engine core's
+  pause: ``pause_scheduler("keep")`` freezes the running requests between two steps and returns
+  once the outputs of every executed step are out (``vllm/v1/engine/core.py``); the load runs;
+  ``set_weight_version`` labels the steps that follow; ``resume_scheduler`` continues. vLLM
+  records, per answer, the spans of output tokens each label sampled
+  (``CompletionOutput.weight_versions``, ``vllm/v1/engine/output_processor.py``): the record's
+  ``version_spans``. KV cache of the running answers: ``inflight = "keep"`` keeps it (computed
+  under older weights; the engine then runs without prefix caching, whose reset needs no block
+  in use, ``vllm/v1/core/block_pool.py``); ``"recompute"`` resets the prefix cache with
+  ``reset_running_requests=True``, which preempts every running answer so that its prompt and
+  tokens so far are prefilled again under the new weights.
 - Not used: vLLM's own weight-transfer API (``vllm/distributed/weight_transfer/``), which fixes
   its own wire format; this project's bucket format (``reval/weights/buckets.py``) is the one HF
   and vLLM workers share.
@@ -67,6 +80,7 @@ from buffer.records import FinishReason
 from reval.weights.files import save_tensors
 from reval.weights.receiver import LocalReceiver
 from rollout.engines import Sample, SamplingParams
+from rollout.streaming import Finished, InflightMode
 
 log = logging.getLogger("reval.vllm")
 
@@ -212,6 +226,11 @@ class VLLMEngine:
         self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
         self.deterministic = deterministic
         self.policy_version = 0
+        self.inflight: InflightMode = "finish"
+        """How a weight load treats answers in the engine (``rollout.inflight_updates``):
+        ``finish`` (none are: loads happen with the engine empty), ``keep`` or ``recompute``
+        their KV cache (the streaming worker, ``rollout/streaming.py``)."""
+        self.llm.llm_engine.set_weight_version("0")  # (the label of steps before any load)
         self.receiver = VLLMReceiver(self)
         """Files and broadcasts, received inside every vLLM worker process."""
         self.checkpoint_dir: Any = None
@@ -290,10 +309,83 @@ class VLLMEngine:
                 raise FileNotFoundError(str(path))
 
     def _weights_changed(self, version: int) -> None:
-        # Cached prefix blocks hold K/V computed with the old weights.
-        if self.llm.reset_prefix_cache() is False:
-            raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
+        # Cached prefix blocks hold K/V computed with the old weights; "recompute" also drops
+        # the running answers' (preempted: prefilled again under the new weights). "keep" runs
+        # without prefix caching (``streaming_engine_kwargs``): nothing cached to drop, and a
+        # reset would fail while blocks are in use.
+        engine = self.llm.llm_engine
+        caching = bool(engine.vllm_config.cache_config.enable_prefix_caching)
+        if self.inflight == "recompute" or caching or not engine.has_unfinished_requests():
+            recompute = self.inflight == "recompute"
+            if self.llm.reset_prefix_cache(reset_running_requests=recompute) is False:
+                raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
+        engine.set_weight_version(str(version))  # (steps from now on sample under it)
         self.policy_version = version
+
+    # -- streaming (rollout/streaming.py) ----------------------------------------------------
+
+    def submit(self, key: str, prompt: Sequence[int], params: SamplingParams, seed: int) -> None:
+        """Add one prompt's ``params.n`` answers to the running engine (``step`` reports them
+        together, as ``Finished(key, ...)``, once the last one has finished)."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        sp = self._sampling_params(params, seed % (1 << 62) if self.deterministic else None)
+        sp.output_kind = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+        self.llm.llm_engine.add_request(key, {"prompt_token_ids": [int(t) for t in prompt]}, sp)
+
+    def step(self) -> list[Finished]:
+        """One engine step (a decode step of every running answer, prefills of new ones); the
+        requests it finished. Nothing running: returns at once."""
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            return []
+        done = []
+        for out in engine.step():
+            if not out.finished:
+                continue
+            comps = sorted(out.outputs, key=lambda c: c.index)
+            samples = [self._to_sample(c) for c in comps]
+            spans = [self._spans(c, s.token_ids.size) for c, s in zip(comps, samples, strict=True)]
+            done.append(Finished(key=str(out.request_id), samples=samples, spans=spans))
+        return done
+
+    def running(self) -> int:
+        """Requests (prompts) submitted and not reported finished."""
+        return int(self.llm.llm_engine.get_num_unfinished_requests())
+
+    def abort(self, keys: Sequence[str]) -> None:
+        """Drop submitted requests (never reported)."""
+        self.llm.llm_engine.abort_request(list(keys))
+
+    def pause(self) -> None:
+        """Freeze the running answers between two steps (vLLM's ``keep`` pause); returns once
+        every executed step's outputs are out."""
+        self._core("pause_scheduler", "keep", False)
+
+    def resume(self) -> None:
+        self._core("resume_scheduler")
+
+    def _core(self, method: str, *args: Any) -> Any:
+        client = self.llm.llm_engine.engine_core
+        if hasattr(client, "call_utility"):  # the engine core in a process of its own
+            return client.call_utility(method, *args)
+        return getattr(client.engine_core, method)(*args)  # in process
+
+    def _spans(self, comp: Any, n_tokens: int) -> np.ndarray:
+        """``[start, version, ...]`` from vLLM's weight-version spans of one answer (adjacent
+        spans of one version merged); one span of the current version when vLLM reports none."""
+        out: list[int] = []
+        for span in comp.weight_versions or ():
+            if span.end <= span.start:
+                continue
+            version = int(span.version)
+            if not out or out[-1] != version:
+                out += [int(span.start), version]
+        if not out:
+            out = [0, self.policy_version]
+        if out[0] != 0 or (n_tokens and out[-2] >= n_tokens):
+            raise RuntimeError(f"vLLM's weight-version spans {out} for {n_tokens} tokens")
+        return np.asarray(out, dtype=np.int32)
 
     def close(self) -> None:
         """Leave the hub and shut the engine-core process down (vLLM also does it at exit)."""
@@ -311,6 +403,12 @@ class VLLMEngine:
         cleanup = getattr(self.checkpoint_dir, "cleanup", None)
         if cleanup is not None:
             cleanup()
+
+
+def streaming_engine_kwargs(inflight: InflightMode) -> dict[str, Any]:
+    """What ``VLLMEngine`` needs beyond the defaults for a streaming worker's in-flight mode:
+    ``keep`` runs without prefix caching (see ``VLLMEngine._weights_changed``)."""
+    return {"enable_prefix_caching": False} if inflight == "keep" else {}
 
 
 class RevalWorkerExtension:
@@ -455,4 +553,5 @@ __all__ = [
     "VLLMEngine",
     "VLLMReceiver",
     "check_vllm_version",
+    "streaming_engine_kwargs",
 ]

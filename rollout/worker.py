@@ -158,6 +158,10 @@ def build_engine(
             model, kw["tokenizer"] = tiny_checkpoint(cfg, seed, Path(tmp.name))
         else:
             model = model_source(cfg.model.name_or_path)
+        if r.streams():
+            from rollout.vllm_engine import streaming_engine_kwargs
+
+            kw.update(streaming_engine_kwargs(r.inflight_updates))
         engine = VLLMEngine(
             model,
             seed=seed if worker_id is None else engine_seed(seed, worker_id),
@@ -370,6 +374,9 @@ class RolloutWorker:
             self._task_setup()
             self._register("running")
             n_prompts = self.cfg.rollout.worker_prompts or self.cfg.rollout.prompts_per_round
+            if self.cfg.rollout.streams() and self.episodes is None:
+                self._stream(n_prompts, max_batches)
+                return self.stats
             while not self.stop.is_set():
                 self.last_tick = time.monotonic()
                 if max_batches is not None and self.stats.batches >= max_batches:
@@ -394,6 +401,73 @@ class RolloutWorker:
         finally:
             self.shutdown()
         return self.stats
+
+    def _stream(self, n_prompts: int, max_groups: int | None) -> None:
+        """The streaming loop (``rollout/streaming.py``; multi-turn episodes run lockstep): a
+        "batch" is one prompt's group, graded and inserted as soon as its answers are done."""
+        from rollout.streaming import Group, Streamer, SubscriberSource, group_records
+
+        r = self.cfg.rollout
+
+        def on_group(group: Group) -> None:  # (the grading thread)
+            t0 = time.perf_counter()
+            records, raw = group_records(
+                group, self.task, self.tokenizer, self.cfg.algo.reward,
+                worker_id=self.worker_id, run_id=self.cfg.name,
+            )  # fmt: skip
+            self.metrics.verify_seconds.observe(time.perf_counter() - t0)
+            self.ring.insert(records)  # never waits for the learner; spools if needed
+            tokens = sum(int(t.response_ids.size) for t in records)
+            self.stats.batches += 1
+            self.stats.trajectories += len(records)
+            self.stats.tokens += tokens
+            self.stats.versions.extend(sorted({int(v) for t in records
+                                               for v in t.token_versions()}))  # fmt: skip
+            m = self.metrics
+            m.batches.inc()
+            m.trajectories.inc(len(records))
+            m.tokens.inc(tokens)
+            m.reward.set(sum(raw) / max(len(raw), 1))
+            seconds = max(time.monotonic() - group.submitted, 1e-9)
+            m.gen_seconds.observe(seconds)
+            m.tokens_per_s.set(tokens / seconds)
+            m.traj_per_s.set(len(records) / seconds)
+
+        def load() -> int | None:
+            if not self._load():
+                return None
+            self._register()
+            return self.engine.policy_version
+
+        def should_stop() -> bool:
+            self.last_tick = time.monotonic()
+            return self.stop.is_set() or not self._follow_control()
+
+        def may_admit() -> bool:
+            if self.paused:
+                return False
+            if self._ahead():
+                self._say_waiting(time.monotonic())
+                return False
+            self._waiting_since = None
+            return True
+
+        streamer = Streamer(
+            self.engine,  # type: ignore[arg-type]  (VLLMEngine: the streaming methods)
+            self.tokenizer,
+            lambda _prompt: self.params,
+            on_group,
+            n=r.n,
+            max_inflight=r.max_inflight or n_prompts * r.n,
+            inflight=r.inflight_updates,
+            weights=SubscriberSource(self.weights, load),
+            seed=zlib.crc32(f"{self.cfg.seed}/{self.worker_id}".encode()) & 0x7FFFFFFF,
+            key_prefix=self.worker_id,
+        )
+        t0 = time.monotonic()
+        stats = streamer.run(lambda k: [p for _, p in self.dealer.take(k)], should_stop,
+                             may_admit, max_groups)  # fmt: skip
+        self.stats.busy_s += time.monotonic() - t0 - stats.idle_s
 
     def _say_waiting(self, now: float) -> None:
         """One log line when the worker has waited for the learner for a while (a worker run

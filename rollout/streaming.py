@@ -1,0 +1,407 @@
+"""Streaming rollouts: the engine never waits for a batch's longest answer, and new weights load
+between two decode steps.
+
+The lockstep worker (``RolloutWorker`` with ``rollout.streaming = false``, and always with the
+HF engine) deals a batch of prompts, waits for the batch's longest answer, grades the batch,
+inserts it and only then looks for new weights. ``Streamer`` instead keeps up to
+``rollout.max_inflight`` answers in a running engine: it admits a prompt from the deal (its ``n``
+answers, one request) whenever that many slots are free, hands each prompt's group to a grading
+thread as soon as its last answer finishes (grading overlaps generation; the group is inserted
+at once), and loads a new weight version as soon as it is announced (``rollout.inflight_updates``):
+
+- ``keep``: pause the engine between two steps, load, resume the running answers with their KV
+  cache (computed under the older weights);
+- ``recompute``: the same, but the running answers' KV cache is computed again under the new
+  weights (their prompt and tokens so far are prefilled again);
+- ``finish``: today's behaviour: stop admitting, let the answers in the engine finish on the old
+  weights, load, admit again.
+
+Every answer says which versions sampled its tokens (``Trajectory.version_spans``, from vLLM's
+own per-token weight-version labels); its behaviour log-probs are those of the weights that
+sampled each token. The engine is anything with the ``StreamEngine`` methods (``VLLMEngine``;
+the unit tests' fake). ``Streamer`` runs in one thread, the only one that calls the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+import redis
+from transformers import PreTrainedTokenizerBase
+
+from buffer.records import Trajectory
+from reval.rewards import RewardVariant, transform_rewards
+from reval.weights.receiver import WeightReceiver, WeightSubscriber
+from rollout.collect import score_all
+from rollout.engines import Sample, SamplingParams
+from rollout.tasks import Prompt, Task
+
+log = logging.getLogger("reval.streaming")
+
+InflightMode = Literal["keep", "recompute", "finish"]
+"""What a weight load does to the answers in the engine (``rollout.inflight_updates``)."""
+
+WEIGHTS_CHECK_S = 0.005
+"""The announcement is read at most this often (one Redis read; at most one per engine step)."""
+CONTROL_S = 0.2
+"""The run's control (pause, stop, the limiter) is read this often."""
+IDLE_S = 0.005
+"""Sleep of a loop turn with nothing in the engine."""
+
+
+@dataclass
+class Finished:
+    """One request (one prompt's ``n`` answers) the engine has finished."""
+
+    key: str
+    samples: list[Sample]
+    spans: list[np.ndarray]
+    """Per answer, ``[start, version, ...]``: the weight version that sampled tokens from
+    ``start`` on (``Trajectory.version_spans``; always at least one span here)."""
+
+
+class StreamEngine(Protocol):
+    """What ``Streamer`` needs of an engine (``VLLMEngine``'s streaming methods)."""
+
+    policy_version: int
+    receiver: WeightReceiver
+    inflight: InflightMode
+
+    def submit(self, key: str, prompt: Sequence[int], params: SamplingParams, seed: int) -> None:
+        """Start ``params.n`` answers to ``prompt``, reported together as ``key``."""
+        ...
+
+    def step(self) -> list[Finished]:
+        """Run one engine step; the requests it finished."""
+        ...
+
+    def running(self) -> int:
+        """Requests submitted and not reported."""
+        ...
+
+    def pause(self) -> None:
+        """Freeze the running answers between two steps."""
+        ...
+
+    def resume(self) -> None: ...
+
+
+class WeightSource(Protocol):
+    """Where new weights come from: a cheap look at the announcement, and the load."""
+
+    def peek(self) -> Hashable:
+        """What could be loaded now, as a value that changes when that does."""
+        ...
+
+    def load(self) -> int | None:
+        """Load the newest weights into the engine; the version loaded, or None."""
+        ...
+
+
+class SubscriberSource:
+    """A worker's ``WeightSubscriber`` as a ``WeightSource``: ``peek`` reads the announcement
+    (one Redis read) and, when the worker joined the learner's hub, the versions the broadcast
+    delivered; ``load`` is ``on_load`` (the worker's own load and bookkeeping)."""
+
+    def __init__(self, subscriber: WeightSubscriber, on_load: Callable[[], int | None]) -> None:
+        self.subscriber = subscriber
+        self.on_load = on_load
+
+    def peek(self) -> Hashable:
+        try:
+            ann = self.subscriber.store.latest()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return None
+        if ann is None:
+            return None
+        received = self.subscriber.received if self.subscriber.backend is not None else 0
+        return (ann.lineage, ann.file_version, ann.broadcast, received)
+
+    def load(self) -> int | None:
+        return self.on_load()
+
+
+@dataclass
+class Group:
+    """One prompt's answers, finished, on their way to grading."""
+
+    key: str
+    prompt: Prompt
+    prompt_ids: list[int]
+    samples: list[Sample]
+    spans: list[np.ndarray]
+    submitted: float
+    """``time.monotonic()`` when it entered the engine."""
+
+
+@dataclass
+class StreamStats:
+    """What a ``Streamer`` did (the worker's metrics and the benchmark read it)."""
+
+    submitted: int = 0
+    """Groups (prompts) admitted."""
+    finished: int = 0
+    """Groups the engine finished."""
+    graded: int = 0
+    """Groups graded and handed on (inserted)."""
+    tokens: int = 0
+    """Answer tokens generated."""
+    steps: int = 0
+    step_s: float = 0.0
+    """Time inside engine steps."""
+    idle_s: float = 0.0
+    """Time with nothing in the engine (waiting to admit, draining the grading)."""
+    occupancy_s: float = 0.0
+    """Sum over steps of step time x requests running / most that may run."""
+    loads: int = 0
+    load_s: float = 0.0
+    """Time paused for weight loads (in-flight modes) or loading with the engine empty."""
+    update_delays: list[float] = field(default_factory=list)
+    """Per version loaded, seconds from when the worker saw it announced to the end of the
+    first engine step under it (the first tokens it sampled)."""
+    max_step_s: float = 0.0
+
+
+class Streamer:
+    """The streaming scheduler (see the module docstring). ``on_group`` runs on one grading
+    thread, group by group in finishing order; ``max_inflight`` counts answers (a prompt's
+    ``n`` answers take ``n`` slots). ``params_for`` gives a prompt's sampling parameters (the
+    benchmark varies ``max_new_tokens``); ``seed`` seeds the requests of a deterministic
+    engine."""
+
+    def __init__(
+        self,
+        engine: StreamEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        params_for: Callable[[Prompt], SamplingParams],
+        on_group: Callable[[Group], None],
+        *,
+        n: int,
+        max_inflight: int,
+        inflight: InflightMode = "keep",
+        weights: WeightSource | None = None,
+        seed: int = 0,
+        key_prefix: str = "g",
+        max_graded_behind: int | None = None,
+    ) -> None:
+        if max_inflight < n:
+            raise ValueError(
+                f"rollout.max_inflight must be >= rollout.n ({n}): one prompt's answers, "
+                f"got {max_inflight}"
+            )
+        self.n = n
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.params_for = params_for
+        self.on_group = on_group
+        self.max_inflight = max_inflight
+        self.inflight = inflight
+        engine.inflight = inflight
+        self.weights = weights
+        self.seed = seed
+        self.key_prefix = key_prefix
+        self.stats = StreamStats()
+        self._open: dict[str, tuple[Prompt, list[int], int, float]] = {}
+        """Requests in the engine: key -> (prompt, prompt ids, answers, submitted at)."""
+        self._slots = 0
+        self._grading = ThreadPoolExecutor(1, thread_name_prefix="grading")
+        self._pending: deque[Future[None]] = deque()
+        self.max_graded_behind = max_graded_behind or max(4, 2 * max_inflight)
+        """Groups finished and not yet graded beyond which the loop waits for grading."""
+        self._peeked: Hashable = None
+        self._next_peek = 0.0
+        self._hold = False
+        """``finish`` mode: a new version waits for the engine to empty (no admissions)."""
+        self._announced_at: float | None = None
+        self._sampled_under_new = False
+        """A version was loaded and no step has run under it yet (``update_delays``)."""
+        self._lock = threading.Lock()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(
+        self,
+        deal: Callable[[int], list[Prompt]],
+        should_stop: Callable[[], bool] = lambda: False,
+        may_admit: Callable[[], bool] = lambda: True,
+        max_groups: int | None = None,
+    ) -> StreamStats:
+        """Generate until ``should_stop`` (read every ``CONTROL_S``; then the answers in the
+        engine finish, are graded and handed on: a drain) or ``max_groups`` prompts are done.
+        ``deal(k)`` gives up to ``k`` more prompts; ``may_admit`` False admits none for now
+        (pause, the limiter)."""
+        draining, admit_ok, next_control = False, False, 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_control:
+                    next_control = now + CONTROL_S
+                    draining = draining or should_stop()
+                    admit_ok = not draining and may_admit()
+                self._check_weights(now)
+                capped = max_groups is not None and self.stats.submitted >= max_groups
+                if admit_ok and not capped and not self._hold:
+                    self._admit(deal, max_groups)
+                if self.engine.running():
+                    self._step()
+                elif (draining or capped) and not self._hold:
+                    break
+                else:
+                    time.sleep(IDLE_S)
+                    self.stats.idle_s += time.monotonic() - now
+                self._reap(block=len(self._pending) > self.max_graded_behind)
+        finally:
+            self.close()
+        return self.stats
+
+    def _admit(self, deal: Callable[[int], list[Prompt]], max_groups: int | None) -> None:
+        k = (self.max_inflight - self._slots) // self.n
+        if max_groups is not None:
+            k = min(k, max_groups - self.stats.submitted)
+        if k <= 0:
+            return
+        for prompt in deal(k):
+            ids = list(self.tokenizer(prompt.text, add_special_tokens=False).input_ids)
+            params = self.params_for(prompt)
+            if params.n != self.n:
+                raise ValueError(f"params_for gave n={params.n}, the streamer runs n={self.n}")
+            key = f"{self.key_prefix}-{self.stats.submitted}"
+            self.engine.submit(key, ids, params, _seed(self.seed, self.stats.submitted))
+            self._open[key] = (prompt, ids, params.n, time.monotonic())
+            self._slots += params.n
+            self.stats.submitted += 1
+
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        running = self.engine.running()
+        done = self.engine.step()
+        t1 = time.monotonic()
+        s = self.stats
+        s.steps += 1
+        s.step_s += t1 - t0
+        s.max_step_s = max(s.max_step_s, t1 - t0)
+        s.occupancy_s += (t1 - t0) * min(1.0, running * self.n / self.max_inflight)
+        if self._sampled_under_new:
+            self._sampled_under_new = False
+            if self._announced_at is not None:
+                s.update_delays.append(t1 - self._announced_at)
+            self._announced_at = None
+        for f in done:
+            prompt, ids, n, t_sub = self._open.pop(f.key)
+            self._slots -= n
+            s.finished += 1
+            s.tokens += sum(int(x.token_ids.size) for x in f.samples)
+            group = Group(f.key, prompt, ids, f.samples, f.spans, t_sub)
+            self._pending.append(self._grading.submit(self._grade, group))
+
+    def _grade(self, group: Group) -> None:
+        self.on_group(group)
+        with self._lock:
+            self.stats.graded += 1
+
+    def _reap(self, block: bool = False) -> None:
+        """Collect finished grading (its errors raise here)."""
+        while self._pending and (self._pending[0].done() or block):
+            self._pending.popleft().result()
+            block = False
+
+    def close(self) -> None:
+        """Wait for the grading in hand (its errors raise), release the grading thread."""
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self._grading.shutdown(wait=True)
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def _check_weights(self, now: float) -> None:
+        if self.weights is None:
+            return
+        if self._hold:  # finish mode: load once the engine is empty
+            if not self.engine.running():
+                self._load(paused=False)
+                self._hold = False
+            return
+        if now < self._next_peek:
+            return
+        self._next_peek = now + WEIGHTS_CHECK_S
+        seen = self.weights.peek()
+        if seen is None or seen == self._peeked:
+            return
+        self._peeked = seen
+        self._announced_at = now
+        if self.inflight == "finish" and self.engine.running():
+            self._hold = True
+            return
+        self._load(paused=self.inflight != "finish" and self.engine.running() > 0)
+
+    def _load(self, paused: bool) -> None:
+        """Load what was announced; ``paused``: with answers in the engine, frozen between two
+        steps for the load."""
+        assert self.weights is not None
+        t0 = time.monotonic()
+        if paused:
+            self.engine.pause()
+        try:
+            version = self.weights.load()
+        finally:
+            if paused:
+                self.engine.resume()
+        self.stats.load_s += time.monotonic() - t0
+        if version is None:
+            self._announced_at = None  # (nothing new after all: a broadcast still in transit)
+            return
+        self.stats.loads += 1
+        self._sampled_under_new = True
+        log.debug("streaming: v%d loaded in %.3f s (%s)", version, time.monotonic() - t0,
+                  "paused" if paused else "engine empty")  # fmt: skip
+
+
+def _seed(seed: int, index: int) -> int:
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, index]).generate_state(1)[0])
+
+
+def group_records(
+    group: Group,
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase,
+    reward_variant: RewardVariant,
+    *,
+    worker_id: str = "",
+    run_id: str = "",
+) -> tuple[list[Trajectory], list[float]]:
+    """One finished group graded (the task's verifier, as ``collect_round`` calls it) and
+    reward-transformed: its records and raw scores. A record's ``policy_version`` is its first
+    (oldest) version; ``version_spans`` is set only when more than one version sampled it."""
+    pairs = [(group.prompt, tokenizer.decode(s.token_ids, skip_special_tokens=True))
+             for s in group.samples]  # fmt: skip
+    raw = score_all(task.verifier, pairs)
+    rewards = transform_rewards(raw, [group.key] * len(raw), reward_variant)
+    records = []
+    for s, spans, r_raw, r in zip(group.samples, group.spans, raw, rewards, strict=True):
+        records.append(
+            Trajectory(
+                prompt_ids=np.asarray(group.prompt_ids, dtype=np.int32),
+                response_ids=s.token_ids,
+                logprobs=s.logprobs,
+                reward_raw=r_raw,
+                reward=r,
+                prompt_id=group.prompt.id,
+                group_id=group.key,
+                finish_reason=s.finish_reason,
+                policy_version=int(spans[1]),
+                worker_id=worker_id,
+                run_id=run_id,
+                version_spans=spans if spans.size > 2 else np.zeros(0, np.int32),
+            )
+        )
+    return records, raw
