@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from reval.config import RunConfig
-from reval.weights.collective import apply_nccl_env
+from reval.nccl import apply_nccl_env
 
 log = logging.getLogger("reval.learner")
 

@@ -1,25 +1,30 @@
 """A short next-token pretraining of the tiny model on task-shaped text.
 
 It makes the random model a smooth language model of the answer *format* (prompt, a few answer
-characters, EOS) without teaching it which answer is right, so RL starts from near chance.
+characters, EOS) without teaching it which answer is right, so RL starts from near chance. The
+text comes from the caller (a task's ``pretrain_texts``, ``services/setup.py``), so this training
+loop sits with the learner and knows no task.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from reval.policy import Policy
-from rollout.tasks import Task
+
+TextSource = Callable[[random.Random, int], list[str]]
+"""``(rng, count) -> count texts``: a task's ``pretrain_texts``."""
 
 
 def pretrain(
-    policy: Policy, task: Task, steps: int, lr: float, batch_size: int, seed: int
+    policy: Policy, texts: TextSource, steps: int, lr: float, batch_size: int, seed: int
 ) -> float:
-    """Train ``steps`` AdamW steps of next-token loss on ``task.pretrain_texts``; returns the
-    final loss. Deterministic in ``seed``."""
+    """Train ``steps`` AdamW steps of next-token loss on ``texts(rng, batch_size)`` each; returns
+    the final loss. Deterministic in ``seed`` (and in what ``texts`` draws from the rng)."""
     if steps <= 0:
         return float("nan")
     rng = random.Random(seed)
@@ -29,8 +34,8 @@ def pretrain(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     loss_value = float("nan")
     for _ in range(steps):
-        texts = task.pretrain_texts(rng, batch_size)
-        rows = [[*tok(t, add_special_tokens=False).input_ids, policy.eos_id] for t in texts]
+        batch = texts(rng, batch_size)
+        rows = [[*tok(t, add_special_tokens=False).input_ids, policy.eos_id] for t in batch]
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), policy.pad_id, dtype=torch.long)
         labels = torch.full((len(rows), width), -100, dtype=torch.long)

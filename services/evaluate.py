@@ -1,6 +1,6 @@
 """``reval eval``: a checkpoint on the paper's benchmarks, avg@k as the paper reports it.
 
-For each benchmark (``rollout/benchmarks.py``: at most ``eval.max_problems`` problems, a seeded
+For each benchmark (``rollout/eval_sets.py``: at most ``eval.max_problems`` problems, a seeded
 subsample), ``eval.samples_per_prompt`` = k answers per problem at ``eval.temperature`` and
 ``eval.top_p`` with the run's engine (HF, or vLLM on GPU), graded by the training verifier
 (math-verify in a process pool; GPQA by option letter). avg@k = the mean over problems of the
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from reval.config import RunConfig
-from rollout.benchmarks import BENCHMARKS, Benchmark, BenchmarkSpec, Problem, load_benchmark
 from rollout.engines import SamplingParams
+from rollout.eval_sets import BENCHMARKS, Benchmark, BenchmarkSpec, Problem, load_benchmark
 from rollout.task_types import Prompt, Task
 
 log = logging.getLogger("reval.eval")

@@ -106,9 +106,9 @@ def make_model(
     """Build, optionally pretrain on the format, and save the checkpoint; returns what was made."""
     import torch
 
+    from learner.pretrain import pretrain
     from reval.policy import Policy, build_bpe_tokenizer, build_tiny_model
     from rollout.math_task import MathTask, read_rows
-    from rollout.pretrain import pretrain
 
     if not Path(data).is_file():
         raise FileNotFoundError(f"--data {data}: no such file")
@@ -130,7 +130,7 @@ def make_model(
         task = MathTask.from_rows(rows, template, tokenizer)
         info["pretrain_steps"] = pretrain_steps
         info["pretrain_loss"] = pretrain(
-            policy, task, pretrain_steps, pretrain_lr, pretrain_batch_size, seed
+            policy, task.pretrain_texts, pretrain_steps, pretrain_lr, pretrain_batch_size, seed
         )
     model.save_pretrained(out)
     (out / "make_model.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from learner.pretrain import pretrain
 from reval.config import RunConfig
 from reval.policy import Policy, load_policy
-from rollout.pretrain import pretrain
 from rollout.tasks import OneShotTask, Task, build_task, code_probabilities, task_setup
 
 log = logging.getLogger("reval.setup")
@@ -39,7 +39,7 @@ def build_policy_and_task(
     if cfg.model.pretrain_steps and cfg.model.name_or_path is None:
         info["pretrain_loss"] = pretrain(
             policy,
-            task,
+            task.pretrain_texts,
             cfg.model.pretrain_steps,
             cfg.model.pretrain_lr,
             cfg.model.pretrain_batch_size,

@@ -33,8 +33,9 @@ device and they are broadcast from there; receivers receive into device memory, 
 loads the weights without a host copy. A failed generation's group is aborted (``abort()``)
 before the next forms. Unverified here (no GPU): two processes on two GPUs are needed (NCCL
 cannot join two processes on one device). A timed-out NCCL collective raises rather than ending
-the process (``NCCL_ENV``). The hub's groups are its own (its ``TCPStore``), never the learner's
-FSDP group: a dead worker can stall a sync, never the learner ranks' collectives.
+the process (``reval/nccl.py`` ``NCCL_ENV``). The hub's groups are its own (its ``TCPStore``),
+never the learner's FSDP group: a dead worker can stall a sync, never the learner ranks'
+collectives.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -56,6 +56,7 @@ from torch import Tensor
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
+from reval.nccl import apply_nccl_env
 from reval.weights.buckets import Bucket, BufferPool, PlannedBucket, plan_buckets, unpack_bucket
 
 IN_FLIGHT = 3
@@ -65,23 +66,6 @@ log = logging.getLogger("reval.broadcast")
 
 def _td(seconds: float) -> dt.timedelta:
     return dt.timedelta(seconds=seconds)
-
-
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-"""What a timed-out NCCL collective does, read when each NCCL group is constructed (torch 2.13
-``torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp``: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``,
-``enum ErrorHandlingMode``). Its default, 3 (``SkipCleanUp``), makes the watchdog tear the whole
-process down; 2 (``CleanUpOnly``) aborts the group's communicators and leaves the process, so the
-failure surfaces as an exception (``DistBackendError``, a ``RuntimeError``) from the timed-out
-work or the next collective on that group: the hub's ``sync`` catches it, drops the generation
-and carries on; a learner rank ends through ``run_rank``'s ``finally`` and is restarted from its
-checkpoint. A value the operator set is kept."""
-
-
-def apply_nccl_env() -> None:
-    """Set ``NCCL_ENV``'s defaults in this process's environment (before an NCCL group)."""
-    for key, value in NCCL_ENV.items():
-        os.environ.setdefault(key, value)
 
 
 def make_group(

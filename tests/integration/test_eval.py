@@ -14,8 +14,8 @@ import pytest
 
 from reval.config import ModelConfig
 from reval.policy import load_policy
-from rollout.benchmarks import BENCHMARKS, Benchmark, Problem, load_benchmark, parse_rows
 from rollout.engines import Sample, SamplingParams
+from rollout.eval_sets import BENCHMARKS, Benchmark, Problem, load_benchmark, parse_rows
 from services.evaluate import evaluate_benchmark, table
 from tests.conftest import announce_weights
 

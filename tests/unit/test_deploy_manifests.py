@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from reval.config import ApiConfig, load_config
-from rollout.benchmarks import BENCHMARKS
+from rollout.eval_sets import BENCHMARKS
 from services.cli import _parser
 
 ROOT = Path(__file__).resolve().parents[2]

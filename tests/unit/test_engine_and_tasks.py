@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from learner.pretrain import pretrain
 from reval.config import ModelConfig, TaskConfig
 from reval.policy import load_policy
 from rollout.engines import HFEngine, SamplingParams, top_p_filter
 from rollout.math_task import MathTask
-from rollout.pretrain import pretrain
 from rollout.tasks import AdditionTask, OneShotTask, build_task
 
 
@@ -113,7 +113,7 @@ def test_oneshot_calibrates_base_success(target):
     torch.manual_seed(0)
     pol = load_policy(ModelConfig(device="cpu"), seed=0)
     task = OneShotTask(base_success=target, seed=0)
-    pretrain(pol, task, steps=60, lr=3e-3, batch_size=64, seed=0)
+    pretrain(pol, task.pretrain_texts, steps=60, lr=3e-3, batch_size=64, seed=0)
     achieved = task.calibrate(pol)
     assert achieved == pytest.approx(target, abs=0.03)
     # the exact probability agrees with sampling

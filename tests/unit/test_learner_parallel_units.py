@@ -19,8 +19,8 @@ from learner.batches import micro_batches
 from learner.parallel import backend_for, mixed_precision, rank_device
 from learner.sequence import chunked_logp_lse, sequence_stats
 from reval.config import AlgoConfig, LearnerConfig, ModelConfig
+from reval.nccl import NCCL_ENV, apply_nccl_env
 from reval.policy import load_policy
-from reval.weights.collective import NCCL_ENV, apply_nccl_env
 from tests.conftest import make_traj
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)

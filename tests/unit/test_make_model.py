@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from reval.config import ModelConfig, TinyModelConfig
 from reval.policy import load_policy
-from rollout.benchmarks import load_benchmark
+from rollout.eval_sets import load_benchmark
 from rollout.math_task import format_prompt, read_rows
 from rollout.word_problems import KINDS, generate, split
 from services.cli import main as cli

@@ -18,9 +18,9 @@ from learner.sequence import collate
 from learner.trainer import Learner
 from reval.config import AlgoConfig, LearnerConfig, ModelConfig, TaskConfig, TinyModelConfig
 from reval.policy import build_bpe_tokenizer, build_tiny_model, load_policy
-from rollout.benchmarks import load_benchmark
 from rollout.collect import collect_round
 from rollout.engines import HFEngine, SamplingParams
+from rollout.eval_sets import load_benchmark
 from rollout.math_task import MathTask, format_prompt
 from rollout.tasks import AdditionTask
 from rollout.word_problems import corpus, generate, write_jsonl
