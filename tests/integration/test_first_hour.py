@@ -95,8 +95,8 @@ def test_the_service_refuses_a_one_process_runs_directory(tmp_path, redis_url, r
     service = sets(
         f"output_dir={tmp_path}",
         "buffer.backend=redis",
-        f"buffer.redis_url={redis_url}",
-        f"buffer.key_prefix={redis_prefix}",
+        f"redis.url={redis_url}",
+        f"redis.prefix={redis_prefix}",
     )
     for command in ("learner", "launch"):
         done = reval(command, *service, timeout=120)
