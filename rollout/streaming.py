@@ -191,6 +191,8 @@ class Streamer:
         seed: int = 0,
         key_prefix: str = "g",
         max_graded_behind: int | None = None,
+        weights_check_s: float = WEIGHTS_CHECK_S,
+        control_s: float = CONTROL_S,
     ) -> None:
         if max_inflight < n:
             raise ValueError(
@@ -216,6 +218,8 @@ class Streamer:
         self._pending: deque[Future[None]] = deque()
         self.max_graded_behind = max_graded_behind or max(4, 2 * max_inflight)
         """Groups finished and not yet graded beyond which the loop waits for grading."""
+        self.weights_check_s = weights_check_s
+        self.control_s = control_s
         self._peeked: Hashable = None
         self._next_peek = 0.0
         self._hold = False
@@ -234,7 +238,7 @@ class Streamer:
         may_admit: Callable[[], bool] = lambda: True,
         max_groups: int | None = None,
     ) -> StreamStats:
-        """Generate until ``should_stop`` (read every ``CONTROL_S``; then the answers in the
+        """Generate until ``should_stop`` (read every ``control_s``; then the answers in the
         engine finish, are graded and handed on: a drain) or ``max_groups`` prompts are done.
         ``deal(k)`` gives up to ``k`` more prompts; ``may_admit`` False admits none for now
         (pause, the limiter)."""
@@ -243,7 +247,7 @@ class Streamer:
             while True:
                 now = time.monotonic()
                 if now >= next_control:
-                    next_control = now + CONTROL_S
+                    next_control = now + self.control_s
                     draining = draining or should_stop()
                     admit_ok = not draining and may_admit()
                 self._check_weights(now)
@@ -333,7 +337,7 @@ class Streamer:
             return
         if now < self._next_peek:
             return
-        self._next_peek = now + WEIGHTS_CHECK_S
+        self._next_peek = now + self.weights_check_s
         seen = self.weights.peek()
         if seen is None or seen == self._peeked:
             return
