@@ -167,7 +167,7 @@ class LearnerService:
             reduce=reduce_scalar if world > 1 else None,
             compute_dtype=compute_dtype(cfg.model),
         )
-        self.step = UpdateStep(
+        self.update_step = UpdateStep(
             self.learner,
             cfg,
             self.ring if self.rank == 0 else None,
@@ -215,9 +215,9 @@ class LearnerService:
     def state(self) -> LearnerState:
         return LearnerState(
             step=self.learner.step,
-            updates=self.step.counts.updates,
+            updates=self.update_step.counts.updates,
             ref_version=self.learner.reference.version,
-            ref_resets=self.step.counts.ref_resets,
+            ref_resets=self.update_step.counts.ref_resets,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -248,8 +248,8 @@ class LearnerService:
         self.learner.step = int(meta["step"])
         self.learner.reference.version = int(meta["ref_version"])
         self.learner.skipped_steps = int(meta["skipped_steps"])
-        self.step.counts.updates = int(meta["updates"])
-        self.step.counts.ref_resets = int(meta["ref_resets"])
+        self.update_step.counts.updates = int(meta["updates"])
+        self.update_step.counts.ref_resets = int(meta["ref_resets"])
         self.source.drawn = int(meta.get("source_drawn", meta["updates"]))
         self.saved_step = self.learner.step
         log.info("resumed from %s at step %d", path, self.learner.step)
@@ -294,7 +294,7 @@ class LearnerService:
                 todo["checkpoint"] = st.checkpoint > self.seen["checkpoint"]
                 todo["export"] = st.export > self.seen["export"]
                 self.seen["checkpoint"], self.seen["export"] = st.checkpoint, st.export
-                changes = st.hparams.learner_changes(self.step.applied)
+                changes = st.hparams.learner_changes(self.update_step.applied)
                 todo["hparams"] = changes if changes.set_fields() else None
                 if todo["pause"] != self.paused:
                     with contextlib.suppress(redis.RedisError):
@@ -306,7 +306,7 @@ class LearnerService:
             todo = box[0]
         self.paused = bool(todo["pause"])
         if todo["hparams"] is not None:
-            done = self.step.apply(todo["hparams"])
+            done = self.update_step.apply(todo["hparams"])
             if self.rank == 0:
                 log.info("step %d: applied %s", self.learner.step, done)
                 with contextlib.suppress(redis.RedisError):  # (the change itself is made)
@@ -402,7 +402,7 @@ class LearnerService:
         t_start = time.perf_counter()
         waited_since = 0.0
         try:
-            while self.step.counts.updates < total:
+            while self.update_step.counts.updates < total:
                 self.last_tick = time.monotonic()
                 lost = self.lease is not None and self.lease.lost.is_set()
                 flags = torch.tensor(
@@ -440,7 +440,7 @@ class LearnerService:
                 share, weights, batch, wait = got
                 self.metrics.wait_data.inc(wait)
                 try:
-                    record = self.step(share, weights, batch)
+                    record = self.update_step(share, weights, batch)
                 except (BufferUnavailable, RingCorrupt, redis.RedisError, ConnectionError):
                     raise  # the replay service's fault, not the batch's
                 except UpdateMemoryError as err:  # (raised by every rank together)
@@ -451,10 +451,10 @@ class LearnerService:
                     continue
                 self.failed_in_a_row = 0
                 self.metrics.update_s.inc(record["update_s"])
-                if self.step.counts.updates % cfg.sync.every == 0:
+                if self.update_step.counts.updates % cfg.sync.every == 0:
                     self.publish()
                 if cfg.learner.checkpoint_every and (
-                    self.step.counts.updates % cfg.learner.checkpoint_every == 0
+                    self.update_step.counts.updates % cfg.learner.checkpoint_every == 0
                 ):
                     self.save_checkpoint()
                 self._log(record, wait, time.perf_counter() - t_start)
@@ -463,7 +463,7 @@ class LearnerService:
                 prefetch.close()
         if self.saved_step != self.learner.step:  # (not twice for one step)
             self.save_checkpoint()
-        finished = self.step.counts.updates >= total
+        finished = self.update_step.counts.updates >= total
         if finished and not (self.lease is not None and self.lease.lost.is_set()):
             self.export_hf(self.cfg.paths.final)
         self._status("done" if finished else "stopped")
@@ -482,7 +482,7 @@ class LearnerService:
         self.failed_in_a_row += 1
         if (self.world > 1 and not every_rank) or self.failed_in_a_row > MAX_FAILED_BATCHES:
             raise err
-        log.exception("update %d raised on its batch: quarantined", self.step.counts.updates)
+        log.exception("update %d raised on its batch: quarantined", self.update_step.counts.updates)
         if batch is not None:
             ids = batch.traj_ids
             self.ring.quarantine(ids, f"the update raised {type(err).__name__}: {err}")
@@ -535,7 +535,7 @@ class LearnerService:
             "step": st.step,
             "updates": st.updates,
             "policy_version": st.step,
-            "hparams": self.step.applied.set_fields(),
+            "hparams": self.update_step.applied.set_fields(),
             "checkpoints": sorted(
                 p.name for p in self.ckpt_dir.glob("step-*") if not p.name.endswith(PARTIAL)
             )[-5:],

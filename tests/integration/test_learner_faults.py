@@ -210,7 +210,7 @@ def test_a_batch_the_update_raises_on_is_quarantined_and_training_goes_on(
     producer = RedisRing("fuzz", 4 * BATCH, url=redis_url, key_prefix=redis_prefix)
     producer.insert([_good(rng, i, 99) for i in range(3 * BATCH)])
     service = LearnerService(cfg)
-    real = service.step.__class__.__call__
+    real = service.update_step.__class__.__call__
     calls = []
 
     def flaky(self, share, weights=None, batch=None):
@@ -219,7 +219,7 @@ def test_a_batch_the_update_raises_on_is_quarantined_and_training_goes_on(
             raise RuntimeError("an update that fails on this batch")
         return real(self, share, weights, batch)
 
-    monkeypatch.setattr(service.step.__class__, "__call__", flaky)
+    monkeypatch.setattr(service.update_step.__class__, "__call__", flaky)
     state = service.run()
     assert state.updates == 2 and len(calls) == 3
     assert producer.stats().rejected == BATCH  # the whole first batch, counted
@@ -240,7 +240,7 @@ def test_a_learner_that_fails_on_every_batch_gives_up(
     def broken(self, share, weights=None, batch=None):
         raise RuntimeError("the learner itself is broken")
 
-    monkeypatch.setattr(service.step.__class__, "__call__", broken)
+    monkeypatch.setattr(service.update_step.__class__, "__call__", broken)
     with pytest.raises(RuntimeError, match="itself is broken"):
         service.run()
     assert producer.stats().rejected == MAX_FAILED_BATCHES * BATCH
