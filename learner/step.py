@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from buffer.base import ReplayConsumer, SampledBatch
@@ -81,6 +82,15 @@ class StepCounts:
     updates: int = 0
     """Update attempts (skipped non-finite steps included)."""
     ref_resets: int = 0
+
+
+def token_staleness_mean(batch: SampledBatch) -> float:
+    """Mean policy-version lag per response token: an answer that spanned an in-flight weight
+    update has tokens of several versions (``Trajectory.version_spans``). The policy's version
+    is a record's staleness plus its ``policy_version``."""
+    at = batch.staleness + np.array([t.policy_version for t in batch], dtype=np.int64)
+    lags = [v - t.token_versions() for t, v in zip(batch, at, strict=True)]
+    return float(np.concatenate(lags).mean()) if lags else 0.0
 
 
 class UpdateStep:
@@ -213,6 +223,7 @@ class UpdateStep:
             sizes = Tally(Tally(t.group_id for t in batch).values())
             record["batch_size"] = len(batch)
             record["staleness_mean"] = float(batch.staleness.mean()) if len(batch) else 0.0
+            record["token_staleness_mean"] = token_staleness_mean(batch)
             record["group_sizes"] = {str(k): v for k, v in sorted(sizes.items())}
             record["use_count_mean"] = sum(t.use_count for t in batch) / max(len(batch), 1)
             record["fresh"] = int(batch.fresh)

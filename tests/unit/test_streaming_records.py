@@ -73,3 +73,14 @@ def test_bad_spans_are_refused_by_name(spans, message):
     good, bad = decode_many([encode(record()), bad_blob])
     assert len(good) == 1 and [i for i, _ in bad] == [1] and "version_spans" in str(bad[0][1])
     assert dataclasses.replace(t, version_spans=np.zeros(0, np.int32)).validate() is None
+
+
+def test_the_learner_measures_staleness_per_token():
+    from buffer.base import SampledBatch
+    from learner.step import token_staleness_mean
+
+    mixed, whole = record([0, 3, 2, 5]), record(version=5)
+    batch = SampledBatch([mixed, whole], np.ones(2, np.float32), np.array([4, 2], np.int64))
+    # The policy is at 7: tokens lag 4, 4, 2, 2 and 2, 2, 2, 2.
+    assert token_staleness_mean(batch) == pytest.approx(20 / 8)
+    assert float(batch.staleness.mean()) == 3.0  # per record: the first token's version
