@@ -84,7 +84,6 @@ class RingLayout:
         self.run = run
         self.capacity = capacity
         self.keys: RingKeys = ring_keys(key_prefix, run)
-        self.prefix = key_prefix
         self.own_client = client is None
         self.client = client or connect(url)
         self.retry_s = retry_s

@@ -9,7 +9,7 @@ consumers can share a run. Keys of a run (one hash tag, so they share a cluster 
 - ``ver`` (string): per slot (position mod M), 4 bytes big-endian: policy version + 1 of the
   trajectory held there, 0 = none
 - ``use`` (string): per slot, the use count as a big-endian u32 (``BITFIELD ... #slot``); its top
-  bit marks a record that ``take`` handed out (``redis_ring.TAKEN``)
+  bit marks a record that ``take`` handed out (``redis_layout.TAKEN``)
 - ``chunks`` (sorted set): one member per inserted chunk, score = its first position, member =
   its end position (exclusive)
 - ``r:<start>`` (hash): the records of the chunk that starts at position ``start``: field
