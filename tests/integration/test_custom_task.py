@@ -205,19 +205,26 @@ def test_the_service_trains_a_custom_task_with_two_workers(tmp_path, redis_url, 
 
 @pytest.mark.slow
 def test_success_rises_on_addition_as_a_custom_task(tmp_path):
-    """The demo's addition, as a JSONL dataset with a reward function: ReVal raises success
-    well above the pretrained model's chance (~1/19) within the budget (docs/demo.md)."""
+    """The demo's addition (operands 0..3: 16 prompts, chance ~1/7), as a JSONL dataset with a
+    reward function: ReVal raises success well above the pretrained model's. Seed 0 went
+    0.19 -> 0.37 -> 0.66 -> 0.76 at rounds 0/20/40/60 (80 s with OMP_NUM_THREADS=1, 583 s under
+    pytest, on a shared 2-core VM under a load of about 6)."""
     from reval.config import load_config
     from services.train import train
 
-    data, module = write_task(tmp_path / "user")
-    cfg = load_config(overrides=[f"task.dataset={data}", f"task.reward={module}:reward",
-                                 "task.prompt_field=question", f"output_dir={tmp_path}",
-                                 "name=learn", "learner.rounds=60", "eval.every=20",
-                                 "metrics.progress=false", "metrics.plot=false"],
-                      environ={})  # fmt: skip
+    data, module = write_task(tmp_path / "user", max_operand=3)
+    cfg = load_config(overrides=[
+        f"task.dataset={data}", f"task.reward={module}:reward", "task.prompt_field=question",
+        f"output_dir={tmp_path}", "name=learn", "learner.rounds=60", "eval.every=20",
+        "rollout.prompts_per_round=16", "rollout.n=8", "learner.batch_size=64",
+        "learner.micro_batch_size=64", "learner.updates_per_round=4",
+        "eval.samples_per_prompt=8", "metrics.progress=false", "metrics.plot=false",
+    ], environ={})  # fmt: skip
     res = train(cfg)
-    assert res.initial_success < 0.2
-    assert res.final_success > res.initial_success + 0.2, [
-        (r["round"], r.get("eval_success")) for r in res.history
-    ]
+    evals = [(r["round"], r["eval_success"]) for r in res.history if "eval_success" in r]
+    assert res.initial_success < 0.3, evals
+    assert res.final_success > res.initial_success + 0.25, evals
+    first = sum(r["reward_mean"] for r in res.history[1:11]) / 10
+    last = sum(r["reward_mean"] for r in res.history[-10:]) / 10
+    assert last > first + 0.2, (first, last)
+    assert all(r["reward/length"] > 0 for r in res.history[1:])  # the component, every round
