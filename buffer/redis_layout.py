@@ -52,6 +52,70 @@ class RingCorrupt(RuntimeError):
     by hand or by another program. The message names what is wrong and how to repair it."""
 
 
+def ring_corrupt(run: str, keys: RingKeys, what: str) -> RingCorrupt:
+    """The RingCorrupt of run ``run``'s ring for damage ``what``, with the repair."""
+    return RingCorrupt(
+        f"run {run!r}: the ring's bookkeeping in Redis is corrupt ({what}): stop the "
+        "run's learner and workers, then delete the ring's keys, and only those (the run's "
+        f"control, status, events and weights stay): {keys.repair()} (the trajectories "
+        "it held are lost; checkpoints are not, and the workers refill it)"
+    )
+
+
+def meta_int(name: str, raw: Any, corrupt: Callable[[str], RingCorrupt]) -> int:
+    """A field of the ring's bookkeeping as read back (bytes; None: never set, 0), as an int;
+    ``corrupt(what)`` raised, naming the field, unless it is one. Every integer a client reads
+    from ``meta`` goes through here (the scripts check theirs in ``ensure``)."""
+    if raw is None:
+        return 0
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        raise corrupt(f"meta {name}={text} (need an integer)") from None
+
+
+def stats_of(
+    vals: Sequence[Any], capacity: int, corrupt: Callable[[str], RingCorrupt]
+) -> BufferStats:
+    """``BufferStats`` from the ``STATS_FIELDS`` of ``meta`` as read back (``capacity``: the
+    configured one, where ``meta`` has none yet)."""
+    v = {k: meta_int(k, x, corrupt) for k, x in zip(STATS_FIELDS, vals, strict=True)}
+    return BufferStats(
+        size=v["head"] - v["tail"],
+        capacity=v["capacity"] or capacity,
+        inserted=v["head"],
+        evicted=v["evicted"],
+        evicted_unused=v["evicted_unused"],
+        sampled=v["sampled"],
+        taken=v["taken"],
+        rejected=v["rejected"],
+        dropped_stale=v["dropped"],
+        policy_version=v["version"],
+    )
+
+
+def peek_stats(client: redis.Redis, prefix: str, run: str) -> BufferStats | None:
+    """A run's ring counters read once, creating nothing and loading no script (the REST API
+    reads every run's, started or not): None before the ring exists; RingCorrupt for a field
+    that is not an integer or a window that does not hold."""
+    keys = ring_keys(prefix, run)
+    vals = client.hmget(keys.meta, STATS_FIELDS)
+    if vals[0] is None:
+        return None
+
+    def corrupt(what: str) -> RingCorrupt:
+        return ring_corrupt(run, keys, what)
+
+    stats = stats_of(vals, 0, corrupt)
+    head, tail = stats.inserted, stats.inserted - stats.size
+    if not 0 <= tail <= head <= tail + stats.capacity:  # (as ``RingLayout.window``)
+        raise corrupt(f"meta head={head} tail={tail}")
+    return stats
+
+
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
@@ -211,27 +275,12 @@ class RingLayout:
         return head, tail
 
     def meta_int(self, name: str, raw: Any) -> int:
-        """A field of the ring's bookkeeping as read back (bytes; None: never set, 0), as an
-        int; RingCorrupt naming the field unless it is one. Every integer the client reads from
-        ``meta`` goes through here (the scripts check theirs in ``ensure``)."""
-        if raw is None:
-            return 0
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        try:
-            return int(raw)
-        except (TypeError, ValueError):
-            text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-            raise self.corrupt(f"meta {name}={text} (need an integer)") from None
+        """``meta_int`` of this ring."""
+        return meta_int(name, raw, self.corrupt)
 
     def corrupt(self, what: str) -> RingCorrupt:
         """The RingCorrupt for damage ``what``, with the repair."""
-        return RingCorrupt(
-            f"run {self.run!r}: the ring's bookkeeping in Redis is corrupt ({what}): stop the "
-            "run's learner and workers, then delete the ring's keys, and only those (the run's "
-            f"control, status, events and weights stay): {self.keys.repair()} (the trajectories "
-            "it held are lost; checkpoints are not, and the workers refill it)"
-        )
+        return ring_corrupt(self.run, self.keys, what)
 
     def size(self) -> int:
         """Trajectories held now."""
@@ -244,20 +293,8 @@ class RingLayout:
     def stats(self) -> BufferStats:
         """The ring's counters, read from ``meta`` in one call."""
         vals = self.retry(lambda: self.client.hmget(self.keys.meta, STATS_FIELDS), self.retry_s)
-        v = {k: self.meta_int(k, x) for k, x in zip(STATS_FIELDS, vals, strict=True)}
         self.window(vals[1], vals[2])  # (a window that does not hold is as corrupt)
-        return BufferStats(
-            size=v["head"] - v["tail"],
-            capacity=v["capacity"] or self.capacity,
-            inserted=v["head"],
-            evicted=v["evicted"],
-            evicted_unused=v["evicted_unused"],
-            sampled=v["sampled"],
-            taken=v["taken"],
-            rejected=v["rejected"],
-            dropped_stale=v["dropped"],
-            policy_version=v["version"],
-        )
+        return stats_of(vals, self.capacity, self.corrupt)
 
     # -- where the trajectories are -------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Live control of a run through Redis: what the REST API (``services/api.py``) and
+"""Live control of a run through Redis: what the REST API (``services/api/``) and
 ``reval runs ...`` write, and what the learner, the rollout workers and the ``reval launch``
 driver read between steps. Everything lives in Redis, so the API can restart while a run goes on.
 
@@ -290,6 +290,11 @@ class RunControl:
                 }
             )
         return out
+
+    def restart(self) -> None:
+        """The run starts again: its last final status goes and its phase is running."""
+        self.client.delete(self.status)
+        self.client.hset(self.control, "phase", "running")
 
     def clear(self) -> None:
         """A new run under this name starts with no requests pending."""

@@ -32,6 +32,17 @@ def deregister(client: redis.Redis, prefix: str, run: str, worker_id: str) -> No
     pipe.execute()
 
 
+def workers(client: redis.Redis, prefix: str, run: str) -> list[dict[str, Any]]:
+    """The registered workers' details (what each last registered: ``id``, ``status``,
+    ``policy_version``, ...), by id; one whose key has expired is left out."""
+    out = []
+    for wid in sorted(m.decode() for m in client.zrange(workers_index(prefix, run), 0, -1)):
+        raw = client.get(worker_key(prefix, run, wid))
+        if raw is not None:
+            out.append({**json.loads(raw), "id": wid})
+    return out
+
+
 def count_alive(client: redis.Redis, prefix: str, run: str, heartbeat_s: float) -> int:
     """Workers seen within three heartbeats (older entries are dropped from the index)."""
     index = workers_index(prefix, run)

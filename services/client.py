@@ -1,4 +1,4 @@
-"""``reval runs ...``: the REST API's client side (``services/api.py``). The API's address from
+"""``reval runs ...``: the REST API's client side (``services/api/``). The API's address from
 ``--url`` or ``REVAL_API_URL`` (default http://127.0.0.1:8080), the token from
 ``REVAL_API_TOKEN``. Prints the JSON the API answers; exits 1 with the API's message on an error.
 """

@@ -1,4 +1,4 @@
-"""The REST API (``services/api.py``) against real Redis, through FastAPI's test client: every
+"""The REST API (``services/api/``) against real Redis, through FastAPI's test client: every
 endpoint, bad bodies (422 naming the field), missing or wrong tokens (401/403), unknown runs (404),
 conflicting actions (409), oversize bodies (413), and a restart of the API losing nothing. The
 run's phases are driven here by writing its status as a learner would; the live run is in
@@ -412,7 +412,7 @@ def test_checkpoints_the_api_did_not_make_resume_with_the_command_it_names(
     a 404: the API never knew the run. Now the 409 names `reval runs create ... --resume`, and
     that create (body "resume": true) registers the run over its checkpoints and launches
     `reval launch --resume` (the API's own launcher, with Popen recorded instead of run)."""
-    import services.api
+    import services.api.runs
 
     launched: list[list[str]] = []
 
@@ -425,7 +425,7 @@ def test_checkpoints_the_api_did_not_make_resume_with_the_command_it_names(
             return None
 
     monkeypatch.setenv(api_cfg.token_env, TOKEN)
-    monkeypatch.setattr(services.api.subprocess, "Popen", Popen)
+    monkeypatch.setattr(services.api.runs.subprocess, "Popen", Popen)
     c = TestClient(create_app(api_cfg))
     ckpt = tmp_path / "demo" / "checkpoints"  # as `reval train` leaves them
     ckpt.mkdir(parents=True)

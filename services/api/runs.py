@@ -1,0 +1,452 @@
+"""What the run endpoints do, for the routes in ``services/api/routes.py`` to return: the API's
+registry of runs in Redis (``Store``), each run's state read through the typed readers of the
+ground floor (``RunControl``, ``RunLease``, the worker registry, the ring's counters), and the
+actions, each a write to the run's control keys or a ``reval launch`` process. No Redis key is
+spelt here: they are built in ``reval/redis.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+from fastapi import HTTPException
+
+from buffer.redis_layout import peek_stats
+from reval import registry
+from reval.config import (
+    DEPRECATED_REDIS,
+    ENV_PREFIX,
+    ApiConfig,
+    BufferConfig,
+    ConfigError,
+    RedisConfig,
+    RunConfig,
+    build_config,
+    public_dump,
+)
+from reval.control import LiveHParams, RunControl, RunLease
+from reval.redis import claim_key, connect, runs_key
+from reval.run_dir import RunDir
+from services.api.models import Accepted, BufferInfo, CreateRun, Event, Health, RunInfo, WorkerInfo
+
+FINISHED = ("stopped", "done", "failed")
+LIVE = ("starting", "running", "paused")
+Launcher = Callable[[str, Path], int]
+"""``launcher(name, config_path) -> pid``: how a run is started (default: ``reval launch``)."""
+
+
+def _invalid(loc: list[str], msg: str) -> HTTPException:
+    """A 422 in FastAPI's own shape, for one field of the request."""
+    return HTTPException(422, [{"loc": loc, "msg": msg, "type": "value_error"}])
+
+
+def _under(path: str | Path, root: str | Path) -> bool:
+    """Whether ``path`` is ``root`` or lies below it, symbolic links and ``..`` resolved (as
+    the run, started from this process's directory, would resolve them)."""
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def _hub_id(name: str) -> bool:
+    """``NAME`` or ``ORG/NAME`` that is not also a path here (``from_pretrained`` prefers a
+    local directory of that name)."""
+    return (
+        not name.startswith(("/", ".", "~", "\\"))
+        and name.count("/") <= 1
+        and not os.path.lexists(name)
+    )
+
+
+def _confine(run: RunConfig, api: ApiConfig) -> None:
+    """A POSTed config writes only under the API's ``output_dir`` and reads local models and
+    datasets only under its ``models_dir``; a 422 naming the field otherwise."""
+    problems: list[tuple[list[str], str]] = []
+    for loc, value in ((["output_dir"], run.output_dir), (["sync", "weights_dir"],
+                                                          run.sync.weights_dir)):  # fmt: skip
+        if value is not None and not _under(value, api.output_dir):
+            problems.append((loc, f"must lie under the API's output_dir {api.output_dir!r}"))
+    from reval.paths import reward_file
+
+    reward = run.task.reward and reward_file(run.task.reward)  # (a module name: installed code)
+    env = run.task.environment and reward_file(run.task.environment)  # (the same forms)
+    for loc, value in ((["model", "name_or_path"], run.model.name_or_path),
+                       (["task", "dataset"], run.task.dataset),
+                       (["task", "reward"], reward or None),
+                       (["task", "environment"], env or None)):  # fmt: skip
+        if value is None or _hub_id(value):
+            continue
+        if api.models_dir is None:
+            problems.append((loc, "must be a hub id (ORG/NAME): this API has no models_dir "
+                             "for local paths"))  # fmt: skip
+        elif not _under(value, api.models_dir):
+            problems.append((loc, "must be a hub id (ORG/NAME) or a path under the API's "
+                             f"models_dir {api.models_dir!r}"))  # fmt: skip
+    if problems:
+        raise HTTPException(422, [{"loc": ["body", "config", *loc], "msg": msg,
+                                   "type": "value_error"} for loc, msg in problems])  # fmt: skip
+
+
+class Store:
+    """The API's state in Redis."""
+
+    def __init__(self, cfg: ApiConfig, client: redis.Redis | None = None) -> None:
+        self.cfg = cfg
+        self.client = client or connect(cfg.redis_url, timeout_s=10)
+        self.runs_key = runs_key(cfg.key_prefix)
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        raw = self.client.hget(self.runs_key, name)
+        return None if raw is None else dict(json.loads(raw))
+
+    def put(self, name: str, entry: dict[str, Any]) -> None:
+        self.client.hset(self.runs_key, name, json.dumps(entry))
+
+    def names(self) -> list[str]:
+        return sorted(k.decode() for k in self.client.hkeys(self.runs_key))
+
+    def control(self, name: str) -> RunControl:
+        return RunControl(self.client, self.cfg.key_prefix, name)
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # A zombie (our own child that exited) is not alive either.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return True
+    return state != "Z"
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # A zombie (our own child that exited) is not alive either.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return True
+    return state != "Z"
+
+
+class RunService:
+    """The runs this API manages: what each endpoint returns, built from Redis."""
+
+    def __init__(self, cfg: ApiConfig, store: Store, launcher: Launcher | None = None) -> None:
+        self.cfg, self.store, self.launcher = cfg, store, launcher
+        self.children: dict[int, subprocess.Popen[bytes]] = {}
+        """Runs this process started, by pid (reaped when their status is read)."""
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def ready(self) -> Health:
+        try:
+            self.store.client.ping()
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            return Health(ok=False, detail=f"redis: {err}")
+        return Health(ok=True)
+
+    def entry(self, name: str) -> dict[str, Any]:
+        entry = self.store.get(name)
+        if entry is None:
+            raise HTTPException(404, f"no run {name!r}")
+        return entry
+
+    def runs(self) -> list[RunInfo]:
+        out = []
+        for name in self.store.names():
+            entry = self.store.get(name)
+            if entry is not None:
+                out.append(self.info(name, entry))
+        return out
+
+    def _phase(self, name: str, entry: dict[str, Any], control: RunControl) -> tuple[str, bool]:
+        """The run's phase and whether the process driving it is alive."""
+        status, ctl = control.read_status(), control.read()
+        child = self.children.get(entry.get("pid"))  # type: ignore[arg-type]
+        if child is not None:
+            child.poll()  # reap it when it has exited
+        if entry.get("external"):  # started outside the API: its status and its lease
+            # The learner holds the run's lease while it lives (renewed every third of
+            # learner.lease_s): a status that says running with no lease is a learner that died.
+            phase = status.get("phase", "starting")
+            held = RunLease(self.store.client, self.cfg.key_prefix, name, 1).holder() is not None
+            alive = phase not in FINISHED and held
+            if not alive and phase not in FINISHED:
+                phase = "failed"
+        else:
+            # The launch driver's heartbeat in Redis (any API replica or host sees it); a local
+            # child's pid; or a start too recent for a first heartbeat.
+            now = time.time()
+            started_at = float(entry.get("started_at") or 0)
+            beat = ctl.driver_seen
+            alive = (
+                (beat is not None and now - beat < 30)
+                or _pid_alive(entry.get("pid"))
+                or (now - started_at < 120 and (beat is None or beat < started_at))
+            )
+            phase = status.get("phase", "starting" if alive else "registered")
+            if entry.get("started") and not alive and phase not in FINISHED:
+                phase = "failed"  # the launch process is gone without a final status
+        if alive and ctl.phase == "stopping" and phase not in FINISHED:
+            phase = "stopping"
+        return phase, alive
+
+    def info(self, name: str, entry: dict[str, Any]) -> RunInfo:
+        control = self.store.control(name)
+        phase, _alive = self._phase(name, entry, control)
+        status, ctl = control.read_status(), control.read()
+        stats = peek_stats(self.store.client, self.cfg.key_prefix, name)  # (no side effect)
+        buf = None
+        if stats is not None:
+            buf = BufferInfo(size=stats.size, capacity=stats.capacity, inserted=stats.inserted,
+                             sampled=stats.sampled, evicted=stats.evicted)  # fmt: skip
+        workers = [
+            WorkerInfo(id=w["id"], status=w.get("status"), policy_version=w.get("policy_version"),
+                       trajectories=w.get("trajectories"), last_seen=w.get("last_seen"))
+            for w in registry.workers(self.store.client, self.cfg.key_prefix, name)
+        ]  # fmt: skip
+        return RunInfo(
+            name=name,
+            phase=phase,
+            created=entry["created"],
+            step=status.get("step"),
+            policy_version=status.get("policy_version"),
+            desired_workers=ctl.workers,
+            workers=workers,
+            buffer=buf,
+            hparams=status.get("hparams", {}),
+            last_metrics=status.get("last"),
+            checkpoints=status.get("checkpoints", []),
+            pid=entry.get("pid"),
+        )
+
+    def events(self, name: str, after: str, count: int) -> list[Event]:
+        self.entry(name)
+        if after != "-" and not _valid_stream_id(after):
+            raise _invalid(["query", "after"], "not a stream id")
+        try:
+            return [Event(**e) for e in self.store.control(name).events(count=count, after=after)]
+        except redis.ResponseError as err:  # an id Redis cannot take (too large)
+            raise _invalid(["query", "after"], str(err)) from None
+
+    # -- creating and starting -------------------------------------------------------------------
+
+    def run_config(self, body: CreateRun) -> RunConfig:
+        """The POSTed config made the API's (its Redis, key prefix and output directory),
+        checked (422s naming the field)."""
+        cfg, data = self.cfg, dict(body.config)
+
+        def section(key: str) -> dict[str, Any]:
+            """A config section given in the body: an object, or a 422 naming it."""
+            value = data.get(key, {})
+            if not isinstance(value, dict):
+                raise _invalid(["body", "config", key], f"config.{key} must be an object (a "
+                               f"section of the config), got {type(value).__name__}")  # fmt: skip
+            return dict(value)
+
+        buffer, redis_section = section("buffer"), section("redis")
+        # The run uses the API's replay service and key prefix: the API must see its keys (a
+        # default left in a resolved config is replaced; another explicit value is refused).
+        for name, key, value in (("buffer", "backend", "redis"), ("redis", "url", cfg.redis_url),
+                                 ("redis", "prefix", cfg.key_prefix)):  # fmt: skip
+            where = buffer if name == "buffer" else redis_section
+            model = BufferConfig if name == "buffer" else RedisConfig
+            old = next((o for o, n in DEPRECATED_REDIS.items() if n == key), None)
+            loc = [name, key]
+            given = where.get(key, value)
+            if name == "redis" and old in buffer:  # (the deprecated name, buffer.<old>)
+                given, loc = buffer.pop(old), ["buffer", old]
+            if given != value and given != model.model_fields[key].default:
+                raise _invalid(["body", "config", *loc],
+                               f"this API manages runs with {name}.{key}={value!r}")  # fmt: skip
+            where[key] = value
+        data["buffer"], data["redis"] = buffer, redis_section
+        # (a resolved config, as ``reval runs create`` sends, carries the default: the API's)
+        if data.get("output_dir") in (None, RunConfig.model_fields["output_dir"].default):
+            data["output_dir"] = cfg.output_dir
+        if body.workers is not None:
+            data["launch"] = {**section("launch"), "workers": body.workers}
+        try:
+            run_cfg = build_config(data)
+        except ConfigError as err:
+            raise _invalid(["body", "config"], str(err)) from None
+        _confine(run_cfg, cfg)
+        _check_user_code(run_cfg)
+        return run_cfg
+
+    def create(self, body: CreateRun) -> RunInfo:
+        run_cfg = self.run_config(body)
+        name, store = run_cfg.name, self.store
+        old = store.get(name)
+        if old is not None and self.info(name, old).phase not in (*FINISHED, "registered"):
+            raise HTTPException(409, f"run {name!r} exists and is live")
+        checkpoints = run_cfg.paths.has_checkpoint()
+        if checkpoints and not body.resume:
+            raise HTTPException(409, _checkpoints_hint(name, run_cfg.run_dir, old is not None))
+        if body.resume and not checkpoints:
+            raise HTTPException(409, f"run {name!r} has no checkpoint in {run_cfg.run_dir} to "
+                                "resume from: create it without resume")  # fmt: skip
+        # One creator at a time per name (two concurrent creates must not both launch).
+        claim = claim_key(self.cfg.key_prefix, name)
+        if not store.client.set(claim, "1", nx=True, ex=30):
+            raise HTTPException(409, f"run {name!r} is being created")
+        control = store.control(name)
+        control.clear()
+        entry: dict[str, Any] = {
+            "created": time.time(),
+            "config": public_dump(run_cfg),  # (no secret in Redis: ``launch`` adds it back)
+            "pid": None,
+            "started": False,
+        }
+        control.set_workers(run_cfg.launch.workers)
+        control.record("created", {"workers": run_cfg.launch.workers, "resume": body.resume})
+        if body.start:
+            self._start(name, entry)
+        store.put(name, entry)
+        store.client.delete(claim)
+        return self.info(name, entry)
+
+    def start(self, name: str) -> Accepted:
+        entry, _ = self._acting(name, "start", ("registered", *FINISHED))
+        claim = claim_key(self.cfg.key_prefix, name)
+        if not self.store.client.set(claim, "1", nx=True, ex=30):
+            raise HTTPException(409, f"run {name!r} is being started")
+        self.store.control(name).restart()  # the last start's final status goes
+        self._start(name, entry)
+        self.store.put(name, entry)
+        self.store.control(name).record("start")
+        return Accepted(run=name, action="start", detail={"pid": entry["pid"]})
+
+    def _start(self, name: str, entry: dict[str, Any]) -> None:
+        entry["pid"] = self.launch(name, entry)
+        entry["started"] = True
+        entry["started_at"] = time.time()
+
+    def launch(self, name: str, entry: dict[str, Any]) -> int:
+        """Start the run: ``reval launch`` in its own session (it outlives this API process),
+        ``--resume`` when its directory holds a checkpoint."""
+        paths = RunDir(Path(self.cfg.output_dir) / name)
+        paths.root.mkdir(parents=True, exist_ok=True)
+        paths.request_config.write_text(json.dumps(entry["config"], indent=2))
+        if self.launcher is not None:
+            return self.launcher(name, paths.request_config)
+        # The run's Redis URL is the API's own (run_config made it so); its password reaches
+        # the run through the environment, never through a file or the runs hash.
+        env = {**os.environ, f"{ENV_PREFIX}REDIS__URL": self.cfg.redis_url}
+        env.pop(f"{ENV_PREFIX}BUFFER__REDIS_URL", None)  # (the old name: it would conflict)
+        if self.cfg.ray_address:
+            env["RAY_ADDRESS"] = self.cfg.ray_address
+        elif not env.get("RAY_ADDRESS"):
+            env.pop("RAY_ADDRESS", None)  # (an empty one would not mean "local")
+        cmd = [sys.executable, "-m", "services.cli", "launch", "--config",
+               str(paths.request_config)]  # fmt: skip
+        if paths.has_checkpoint():
+            cmd.append("--resume")  # a run started again continues from its checkpoint
+        with paths.launch_log.open("ab") as log_file:
+            proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        for pid in [p for p, c in self.children.items() if c.poll() is not None]:
+            del self.children[pid]  # reaped
+        self.children[proc.pid] = proc
+        return proc.pid
+
+    # -- steering --------------------------------------------------------------------------------
+
+    def _acting(
+        self, name: str, action: str, allowed: tuple[str, ...]
+    ) -> tuple[dict[str, Any], RunInfo]:
+        entry = self.entry(name)
+        current = self.info(name, entry)
+        if current.phase not in allowed:
+            raise HTTPException(409, f"cannot {action} run {name!r}: it is {current.phase}")
+        return entry, current
+
+    def pause(self, name: str) -> Accepted:
+        self._acting(name, "pause", ("starting", "running"))
+        if self.store.control(name).read().phase == "paused":
+            raise HTTPException(409, f"run {name!r} is already pausing")
+        self.store.control(name).set_phase("paused")
+        return Accepted(run=name, action="pause")
+
+    def resume(self, name: str) -> Accepted:
+        # (the learner reports "paused" one update after the request: the request decides)
+        self._acting(name, "resume", LIVE)
+        if self.store.control(name).read().phase != "paused":
+            raise HTTPException(409, f"run {name!r} is not paused")
+        self.store.control(name).set_phase("running")
+        return Accepted(run=name, action="resume")
+
+    def stop(self, name: str) -> Accepted:
+        self._acting(name, "stop", LIVE)
+        self.store.control(name).set_phase("stopping")
+        return Accepted(run=name, action="stop")
+
+    def request(self, name: str, what: str) -> Accepted:
+        """``checkpoint`` or ``export``: asked of the learner, done at its next update."""
+        self._acting(name, what, LIVE)
+        n = self.store.control(name).request(what)
+        return Accepted(run=name, action=what, detail={"request": n})
+
+    def scale(self, name: str, workers: int) -> Accepted:
+        self._acting(name, "scale", LIVE)
+        self.store.control(name).set_workers(workers)
+        return Accepted(run=name, action="scale", detail={"workers": workers})
+
+    def hparams(self, name: str, body: LiveHParams) -> Accepted:
+        if not body.set_fields():
+            raise _invalid(["body"], "no hyperparameter given")
+        self._acting(name, "change", LIVE)
+        typed = self.store.control(name).patch(body)
+        return Accepted(run=name, action="hparams", detail=typed.set_fields())
+
+
+def _check_user_code(run_cfg: RunConfig) -> None:
+    """``task.reward`` and ``task.environment`` import and name what they should (their files
+    under ``models_dir``, checked by ``_confine`` first: only now imported); 422s otherwise."""
+    from reval.paths import RewardNotFound, check_environment, check_reward
+
+    if run_cfg.task.reward is not None:
+        try:
+            check_reward(run_cfg.task.reward, run_cfg.task.reward_args)
+        except RewardNotFound as err:
+            raise _invalid(["body", "config", "task", "reward"], str(err)) from None
+    try:
+        check_environment(run_cfg)
+    except ValueError as err:
+        raise _invalid(["body", "config", "task", "environment"], str(err)) from None
+
+
+def _checkpoints_hint(name: str, run_dir: Path, known: bool) -> str:
+    """The 409 of a create over a run directory with checkpoints, with the commands that work:
+    ``start`` where this API knows the run, ``create --resume`` (it registers the run over its
+    checkpoints) where it does not, and a new name for a new run."""
+    where = f"run {name!r} has checkpoints in {run_dir}"
+    new = f"a new run needs a new name (--set name={name}-2)"
+    if known:
+        return (f"{where}: `reval runs start {name}` (POST /v1/runs/{name}/start) continues it; "
+                f"{new}")  # fmt: skip
+    return (f"{where} that this API did not start: the same `reval runs create` with --resume "
+            '(body "resume": true) continues from them; ' + new)  # fmt: skip
+
+
+def _valid_stream_id(s: str) -> bool:
+    ms, _, seq = s.partition("-")
+    return ms.isdigit() and (seq == "" or seq.isdigit())
