@@ -84,7 +84,7 @@ class StreamEngine(Protocol):
         ...
 
     def running(self) -> int:
-        """Requests submitted and not reported."""
+        """Answers submitted and not finished (0: the engine is empty)."""
         ...
 
     def pause(self) -> None:
@@ -160,7 +160,7 @@ class StreamStats:
     idle_s: float = 0.0
     """Time with nothing in the engine (waiting to admit, draining the grading)."""
     occupancy_s: float = 0.0
-    """Sum over steps of step time x requests running / most that may run."""
+    """Sum over steps of step time x answers running / ``max_inflight``."""
     loads: int = 0
     load_s: float = 0.0
     """Time paused for weight loads (in-flight modes) or loading with the engine empty."""
@@ -292,7 +292,7 @@ class Streamer:
         s.steps += 1
         s.step_s += t1 - t0
         s.max_step_s = max(s.max_step_s, t1 - t0)
-        s.occupancy_s += (t1 - t0) * min(1.0, running * self.n / self.max_inflight)
+        s.occupancy_s += (t1 - t0) * min(1.0, running / self.max_inflight)
         if self._sampled_under_new:
             self._sampled_under_new = False
             if self._announced_at is not None:

@@ -350,7 +350,7 @@ class VLLMEngine:
         return done
 
     def running(self) -> int:
-        """Requests (prompts) submitted and not reported finished."""
+        """Answers submitted and not finished (vLLM counts each of a request's ``n``)."""
         return int(self.llm.llm_engine.get_num_unfinished_requests())
 
     def abort(self, keys: Sequence[str]) -> None:

@@ -69,7 +69,9 @@ class FakeEngine:
         return done
 
     def running(self) -> int:
-        return len(self.requests)
+        return sum(
+            len(a) < self.lengths[k] for k, answers in self.requests.items() for a in answers
+        )
 
     def pause(self) -> None:
         assert not self.paused
@@ -106,7 +108,7 @@ class Weights:
         self.engine = engine
         self.announced = 0
         self.loads: list[tuple[int, int]] = []
-        """(version, requests running at load)."""
+        """(version, answers running at load)."""
 
     def peek(self) -> int:
         return self.announced
@@ -186,7 +188,7 @@ def test_a_new_version_loads_between_two_steps_and_answers_say_which_tokens_it_s
 
     engine.step = step  # type: ignore[method-assign]
     stats = s.run(deal, max_groups=len(items))
-    assert weights.loads == [(1, 4)]  # loaded once, with the 4 long answers running
+    assert weights.loads == [(1, 4 * N)]  # loaded once, the 4 long groups running
     assert engine.events.count("pause") == 1 and engine.events.index(
         "pause"
     ) + 2 == engine.events.index("resume")  # fmt: skip  (pause, load, resume)
