@@ -8,6 +8,11 @@ replay service. Between batches it loads newer weights through its ``WeightSubsc
 (``reval/weights/receiver.py``: the broadcast or the announced file, whichever is newer). It never
 waits for the learner (pushes go through the replay client's retries and spool), survives a Redis
 restart, and on SIGTERM/SIGINT finishes the batch in hand, pushes it, deregisters and exits 0.
+
+That is the lockstep loop (the HF engine; a vLLM worker with ``rollout.streaming = false``). A
+vLLM worker streams by default (``_stream``, ``rollout/streaming.py``): answers are admitted as
+others finish, each group is graded and pushed when done, and weights load between two decode
+steps.
 """
 
 from __future__ import annotations
