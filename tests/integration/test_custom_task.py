@@ -125,6 +125,41 @@ def test_the_rest_api_creates_a_custom_run_and_confines_its_reward(
     assert not marker.exists()
 
 
+def test_a_rollout_worker_grades_with_the_reward_and_serves_its_metrics(
+    tmp_path, redis_url, redis_prefix
+):
+    """One worker batch (in process): the reward's components on the worker's registry, a reward
+    that raises on the odd rows scored 0 and counted, the batch inserted all the same."""
+    from rollout.worker import RolloutWorker
+    from tests.integration.test_rollout_worker import publish, ring_of, worker_cfg
+
+    data, module = write_task(tmp_path / "user")
+    flaky = module.with_name("flaky.py")
+    flaky.write_text(
+        REWARD
+        + """
+def odd_rows_fail(prompt, completion, metadata):
+    if metadata["a"] % 2:
+        raise RuntimeError("a grader that fails on odd rows")
+    return reward(prompt, completion, metadata)
+"""
+    )
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix, f"task.dataset={data}",
+                     f"task.reward={flaky}:odd_rows_fail", "task.prompt_field=question",
+                     "rollout.verifier_workers=1")  # fmt: skip
+    assert cfg.task.kind == "custom"
+    publish(cfg, 0)
+    worker = RolloutWorker(cfg, "wc")
+    stats = worker.run(max_batches=1)
+    assert stats.trajectories == 40  # 10 prompts x 4 answers, failures included
+    assert len(ring_of(cfg).items()) == 40
+    value = worker.metrics.registry.get_sample_value
+    assert value("reval_reward_component_count", {"name": "length"}) >= 1
+    odd = sum(1 for t in ring_of(cfg).items() if int(t.prompt_id) // 10 % 2)
+    assert value("reval_verifier_errors_total", {"reason": "error"}) == odd > 0
+    assert all(t.reward_raw == 0.0 for t in ring_of(cfg).items() if int(t.prompt_id) // 10 % 2)
+
+
 # -- the service: Redis, a learner, two rollout workers ----------------------------------------
 
 
