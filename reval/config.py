@@ -270,7 +270,7 @@ class RolloutConfig(_Section):
     weights_poll_s: float = Field(1.0, gt=0)
     """How often a waiting worker looks for the learner's first weights."""
     verifier_workers: int = Field(2, ge=1)
-    """Grading processes per rollout worker (math tasks)."""
+    """Grading processes per rollout worker (math and custom tasks: ``rollout/verify.py``)."""
     verifier_timeout_s: float = Field(5.0, gt=0)
     """Per-answer grading timeout; a timeout scores 0 and is counted."""
     vllm_gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
