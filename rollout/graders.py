@@ -8,7 +8,7 @@ grading processes of ``rollout/verify.py``, through ``rollout/rewards.py``'s ``R
 | ``exact_match`` | 1 when the stripped completion equals the row's answer | ``field`` ("answer"), ``ignore_case`` (false) |
 | ``regex_format`` | 1 when the completion matches a regular expression | ``pattern``, ``full`` (false: ``re.search``; true: ``re.fullmatch``) |
 | ``code_tests`` | the share of the row's tests the completion's code passes, run in a sandboxed subprocess | ``tests_field`` ("tests"), ``timeout_s`` (5), ``memory_mb`` (512) |
-| ``http_reward`` | a reward served over HTTP (a reward model elsewhere), one POST per chunk of answers | ``url``, ``timeout_s`` (30), ``headers`` ({}) |
+| ``http_reward`` | a reward served over HTTP (a reward model elsewhere), one POST per chunk of answers | ``url``, ``timeout_s`` (30), ``headers`` ({}), ``token_env`` |
 """  # noqa: E501
 
 from __future__ import annotations
@@ -147,18 +147,24 @@ def http_reward(
     url: str,
     timeout_s: float = 30.0,
     headers: Mapping[str, str] | None = None,
+    token_env: str | None = None,
 ) -> list[Any]:
     """Rewards served over HTTP: one POST of ``{"prompts", "completions", "metadata"}`` (JSON)
     to ``url`` per chunk of answers, answered with ``{"rewards": [...]}``, one reward (a number
-    or a dict with ``score``) per answer, in order. An HTTP error or a timeout fails the chunk:
-    each of its answers scores 0, counted as an ``error``."""
+    or a dict with ``score``) per answer, in order. ``token_env``: the environment variable
+    holding a bearer token (a secret stays out of the config, which is written to the run
+    directory). An HTTP error or a timeout fails the chunk: each of its answers scores 0,
+    counted as an ``error``."""
+    sent = {"Content-Type": "application/json", **dict(headers or {})}
+    if token_env is not None:
+        token = os.environ.get(token_env)
+        if not token:
+            raise ValueError(f"http_reward: the environment variable {token_env} is not set")
+        sent["Authorization"] = f"Bearer {token}"
     body = json.dumps(
         {"prompts": list(prompts), "completions": list(completions), "metadata": list(metadata)}
     ).encode()
-    request = urllib.request.Request(
-        url, data=body, method="POST",
-        headers={"Content-Type": "application/json", **dict(headers or {})},
-    )  # fmt: skip
+    request = urllib.request.Request(url, data=body, method="POST", headers=sent)
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         answer = json.loads(response.read())
     rewards = answer.get("rewards") if isinstance(answer, dict) else None
