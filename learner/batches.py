@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,14 @@ class BatchSource:
             updates_per_round=cfg.learner.updates_per_round,
             fresh_updates=cfg.fresh_updates,
         )
+
+    def state_dict(self) -> dict[str, int]:
+        """Its place in the fresh/replay schedule, for a checkpoint."""
+        return {"source_drawn": self.drawn}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """(A checkpoint from before the field: one batch drawn per update.)"""
+        self.drawn = int(state.get("source_drawn", state["updates"]))
 
     @property
     def next_is_fresh(self) -> bool:

@@ -17,8 +17,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -120,3 +122,46 @@ def load_checkpoint(
     set_model_state_dict(reference, sd["reference"])
     set_optimizer_state_dict(model, optimizer, sd["optim"])
     return path, json.loads((path / STATE_FILE).read_text())
+
+
+class Stateful(Protocol):
+    """A part of the learner whose counters a checkpoint keeps (``Learner``, ``UpdateStep``,
+    ``BatchSource``): flat, distinct keys, so every part's lands in one ``reval_state.json``."""
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@dataclass
+class Checkpointer:
+    """The one checkpointer of both loops (``reval train``, ``reval learner``'s ranks): the
+    policy, the reference and AdamW through DCP, and the ``state_dict`` of each part in the
+    checkpoint's ``reval_state.json`` (one format: ``step``, ``skipped_steps``, ``ref_version``,
+    ``updates``, ``ref_resets``, ``source_drawn``, plus what the caller adds, e.g. ``round``)."""
+
+    ckpt_dir: Path
+    model: nn.Module
+    reference: nn.Module
+    optimizer: Optimizer
+    parts: Sequence[Stateful]
+
+    def meta(self, **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update(part.state_dict())
+        return {**out, **extra}
+
+    def save(self, **extra: Any) -> Path:
+        """A checkpoint now; every rank calls it (``save_checkpoint``)."""
+        return save_checkpoint(
+            self.ckpt_dir, self.model, self.reference, self.optimizer, self.meta(**extra)
+        )
+
+    def load(self) -> tuple[Path, dict[str, Any]]:
+        """The latest checkpoint into the modules, the optimizer and every part; its path and
+        metadata. FileNotFoundError when there is none."""
+        path, meta = load_checkpoint(self.ckpt_dir, self.model, self.reference, self.optimizer)
+        for part in self.parts:
+            part.load_state_dict(meta)
+        return path, meta

@@ -1,4 +1,4 @@
-"""From trajectories and a causal LM to the loss inputs (ALGORITHM.md §1).
+"""From trajectories and a causal LM to the loss inputs (docs/algorithm.md §1).
 
 Padded layout (verl's, ``collate``): ``input_ids = cat(prompt [B,P] left-padded, response [B,T]
 right-padded)``, ``z = logits[:, -T-1:-1]`` so ``z[:, t]`` predicts ``y[:, t]`` and ``z[:, 0]`` is

@@ -48,7 +48,7 @@ from buffer.prefetch import Prefetcher
 from buffer.records import RecordLimits, Trajectory
 from buffer.redis_layout import RingCorrupt
 from learner.batches import BatchSource, context_limits, split_shares
-from learner.checkpoint import PARTIAL, CheckpointWriteError, load_checkpoint, save_checkpoint
+from learner.checkpoint import PARTIAL, Checkpointer, CheckpointWriteError
 from learner.export import export_hf
 from learner.parallel import build_models, init_group, rank_device, reduce_scalar
 from learner.step import UpdateMetrics, UpdateStep
@@ -175,6 +175,10 @@ class LearnerService:
             reduce=reduce_scalar if world > 1 else None,
             gather=_gather if world > 1 else None,
         )
+        self.checkpointer = Checkpointer(
+            self.ckpt_dir, self.model, self.reference_model, self.learner.optimizer,
+            [self.learner, self.update_step, self.source],
+        )  # fmt: skip
         self.writer = JsonlWriter(cfg.paths.learner_log) if self.rank == 0 else None
         # The one weight sender (every rank gathers; rank 0 broadcasts, writes and announces).
         self.sender = build_sender(cfg, self.client if self.rank == 0 else None, self.rank,
@@ -223,34 +227,15 @@ class LearnerService:
     # -- checkpoints -------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        st = self.state
-        meta = {
-            "step": st.step,
-            "updates": st.updates,
-            "ref_version": st.ref_version,
-            "ref_resets": st.ref_resets,
-            "skipped_steps": self.learner.skipped_steps,
-            "source_drawn": self.source.drawn,
-        }
-        path = save_checkpoint(
-            self.ckpt_dir, self.model, self.reference_model, self.learner.optimizer, meta
-        )
-        self.saved_step = st.step
+        path = self.checkpointer.save()
+        self.saved_step = self.learner.step
         log.info("checkpoint %s", path)
         return path
 
     def load_checkpoint(self) -> None:
-        if not (self.ckpt_dir / "latest").is_file():
+        if not self.cfg.paths.has_checkpoint():
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}")
-        path, meta = load_checkpoint(
-            self.ckpt_dir, self.model, self.reference_model, self.learner.optimizer
-        )
-        self.learner.step = int(meta["step"])
-        self.learner.reference.version = int(meta["ref_version"])
-        self.learner.skipped_steps = int(meta["skipped_steps"])
-        self.update_step.counts.updates = int(meta["updates"])
-        self.update_step.counts.ref_resets = int(meta["ref_resets"])
-        self.source.drawn = int(meta.get("source_drawn", meta["updates"]))
+        path, _meta = self.checkpointer.load()
         self.saved_step = self.learner.step
         log.info("resumed from %s at step %d", path, self.learner.step)
 

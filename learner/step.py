@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +123,14 @@ class UpdateStep:
         if metrics is not None:
             for name, value in self.applied.set_fields().items():
                 metrics.hparam.labels(name=name).set(float(value))
+
+    def state_dict(self) -> dict[str, int]:
+        """The step's counters, for a checkpoint."""
+        return {"updates": self.counts.updates, "ref_resets": self.counts.ref_resets}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.counts.updates = int(state["updates"])
+        self.counts.ref_resets = int(state["ref_resets"])
 
     @property
     def reset_every(self) -> int:

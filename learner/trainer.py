@@ -4,8 +4,9 @@ grad clip with the pre-clip norm logged, non-finite steps skipped."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -121,6 +122,17 @@ class Learner:
     @property
     def uses_reference(self) -> bool:
         return self.algo.name != "grpo"
+
+    def state_dict(self) -> dict[str, int]:
+        """The learner's counters, for a checkpoint's ``reval_state.json`` (its weights and
+        AdamW's state go through DCP: ``learner/checkpoint.py``)."""
+        return {"step": self.step, "skipped_steps": self.skipped_steps,
+                "ref_version": self.reference.version}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.reference.version = int(state["ref_version"])
 
     def reset_reference(self) -> None:
         self.reference.reset(self.model)

@@ -23,7 +23,7 @@ from typing import Any
 
 from buffer import BufferMetrics, SampleTimeout, make_buffer
 from learner.batches import BatchSource
-from learner.checkpoint import save_checkpoint
+from learner.checkpoint import Checkpointer
 from learner.export import export_hf
 from learner.memory import apply_plan
 from learner.step import UpdateMetrics, UpdateStep
@@ -31,7 +31,6 @@ from learner.trainer import Learner
 from reval.config import RunConfig, TaskConfig, dump_config
 from reval.metrics import JsonlWriter, TrainMetrics
 from reval.policy import Policy, compute_dtype
-from reval.run_dir import RunDir
 from rollout.collect import collect_round, evaluate
 from rollout.dealer import PromptDealer
 from rollout.engines import HFEngine, SamplingParams
@@ -137,6 +136,10 @@ def train(
     )  # fmt: skip
     source = BatchSource.from_config(buffer, cfg)
     step = UpdateStep(learner, cfg, buffer, UpdateMetrics(metrics.registry))
+    checkpointer = Checkpointer(
+        cfg.paths.checkpoints, learner.model, learner.reference.model, learner.optimizer,
+        [learner, step, source],
+    )  # fmt: skip
     if cfg.metrics.prometheus_port is not None:
         port = metrics.serve(cfg.metrics.prometheus_port, cfg.metrics.addr)
         log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
@@ -264,7 +267,7 @@ def train(
         if progress:
             progress(record)
         if cfg.learner.checkpoint_every and rnd % cfg.learner.checkpoint_every == 0:
-            _checkpoint(run_dir, learner, step, rnd)
+            checkpointer.save(round=rnd)
         stop_at = cfg.learner.stop_at_success
         if stop_at is not None and record.get("success_exact", 0.0) >= stop_at:
             log.info("round %d: exact success %.3f >= %.2f: done", rnd,
@@ -276,7 +279,7 @@ def train(
     close_verifier = getattr(task.verifier, "close", None)
     if close_verifier is not None:  # the math task's grading pool
         close_verifier()
-    _checkpoint(run_dir, learner, step, history[-1]["round"])
+    checkpointer.save(round=history[-1]["round"])
     with _no_library_progress_bar():  # (transformers' bar of its one shard)
         ckpt = export_hf(policy.model, policy.tokenizer, cfg.paths.final)
     if cfg.metrics.plot:
@@ -293,21 +296,6 @@ def train(
     }
     cfg.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
     return TrainResult(run_dir, history, initial, success, ckpt)
-
-
-def _checkpoint(run_dir: Path, learner: Learner, step: UpdateStep, rnd: int) -> Path:
-    """The learner's checkpoint (``learner/checkpoint.py``: DCP, the same as the ranks')."""
-    meta = {
-        "step": learner.step,
-        "round": rnd,
-        "updates": step.counts.updates,
-        "ref_version": learner.reference.version,
-        "ref_resets": step.counts.ref_resets,
-        "skipped_steps": learner.skipped_steps,
-    }
-    return save_checkpoint(
-        RunDir(run_dir).checkpoints, learner.model, learner.reference.model, learner.optimizer, meta
-    )
 
 
 @contextmanager
