@@ -467,7 +467,7 @@ class RolloutWorker:
             inflight=r.inflight_updates,
             weights=SubscriberSource(self.weights, load),
             seed=zlib.crc32(f"{self.cfg.seed}/{self.worker_id}".encode()) & 0x7FFFFFFF,
-            key_prefix=self.worker_id,
+            key_prefix=f"{self.worker_id}-{uuid.uuid4().hex[:6]}",  # (group ids: one run's own)
         )
         t0 = time.monotonic()
         stats = streamer.run(lambda k: [p for _, p in self.dealer.take(k)], should_stop,
