@@ -6,11 +6,12 @@
 #   reval-local/python:3.11       Debian's python3, a venv in /opt/venv with the CPU torch wheel
 #   reval-local/redis:7           Debian's redis-server        (for REVAL_REDIS_IMAGE)
 #   reval-local/prometheus:2      Debian's prometheus          (for REVAL_PROMETHEUS_IMAGE)
-#   reval:cpu                     deploy/docker/Dockerfile.cpu FROM reval-local/python:3.11
-# Grafana has no Debian package: the CPU stack keeps it behind the `grafana` profile.
-# Cached between runs: the rootfs tarball and the torch wheel in $REVAL_IMAGE_CACHE, the images
-# (an image that exists is not rebuilt; REVAL_REBUILD_BASE=1 rebuilds them) and Docker's layer
-# cache (reval:cpu's dependency layer is rebuilt only when pyproject.toml changes).
+#   reval-local/python-deps:HASH  that and reval's dependencies (HASH: of their list)
+#   reval:cpu                     deploy/docker/Dockerfile.cpu FROM reval-local/python-deps
+# Grafana has no Debian package: the CPU stack has none.
+# Cached between runs: the rootfs tarball, the torch wheel and a wheelhouse in $REVAL_IMAGE_CACHE
+# (default /var/cache/reval-images), the images (one that exists is not rebuilt;
+# REVAL_REBUILD_BASE=1 rebuilds them) and Docker's layer cache (an unchanged tree is a no-op).
 # REVAL_IMAGE_TREE=head builds reval:cpu from the last commit (git archive HEAD) instead of the
 # working tree: a tree with uncommitted work of others in it may not run.
 # Needs root, a running Docker engine (scripts/docker_engine.sh) and, on Debian, installs
@@ -79,15 +80,35 @@ have reval-local/redis:7 ||
   build reval-local/redis:7 deploy/docker/local/Dockerfile.redis deploy/docker/local
 have reval-local/prometheus:2 ||
   build reval-local/prometheus:2 deploy/docker/local/Dockerfile.prometheus deploy/docker/local
-# reval:cpu always goes through docker build: its layer cache makes an unchanged tree a no-op.
 tree=.
 if [[ ${REVAL_IMAGE_TREE:-worktree} == head ]]; then
   tree=$(mktemp -d)
   trap 'rm -rf "$tree"' EXIT
   git archive HEAD | tar -x -C "$tree"
 fi
-build reval:cpu "$tree/deploy/docker/Dockerfile.cpu" "$tree" \
-  --build-arg BASE_IMAGE=reval-local/python:3.11
+# reval's dependencies on top, in an image named after their list (an edit to pyproject.toml
+# that leaves the list alone reuses it), installed from a wheelhouse mounted from $cache/wheelhouse
+# (a docker build here has no cache mounts, and pip's HTTP cache stays empty behind a proxy that
+# says no-store): `pip download` fetches only the files it does not have. Not torch: the base's
+# CPU wheel is the one (PyPI's is the CUDA build, 3 GB with its nvidia-* wheels).
+deps=$(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("'"$tree"'/pyproject.toml", "rb"))
+  ["project"]["dependencies"]))')
+deps_tag=reval-local/python-deps:$(printf '%s' "$deps" | sha256sum | cut -c1-12)
+if ! have "$deps_tag"; then
+  say "pip install the dependencies into $deps_tag"
+  mkdir -p "$cache/wheelhouse"
+  name=reval-deps-$$
+  docker run --name "$name" -v "$cache/wheelhouse:/wheelhouse" -e "DEPS=$deps" \
+    reval-local/python:3.11 sh -c 'echo "$DEPS" | grep -v "^torch" >/tmp/deps.txt &&
+      pip download -q -d /wheelhouse -r /tmp/deps.txt &&
+      pip install -q --no-index --find-links /wheelhouse -r /tmp/deps.txt' \
+    >"$cache/deps.log" 2>&1 ||
+    { docker rm -f "$name" >/dev/null; tail -20 "$cache/deps.log" >&2; exit 1; }
+  docker commit -c 'CMD ["python3"]' "$name" "$deps_tag" >/dev/null
+  docker rm "$name" >/dev/null
+fi
+# reval:cpu always goes through docker build: its layer cache makes an unchanged tree a no-op.
+build reval:cpu "$tree/deploy/docker/Dockerfile.cpu" "$tree" --build-arg "BASE_IMAGE=$deps_tag"
 say "done"
 # What the compose files need to use these images instead of the official ones.
 echo "export REVAL_REDIS_IMAGE=reval-local/redis:7 REVAL_PROMETHEUS_IMAGE=reval-local/prometheus:2"
