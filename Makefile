@@ -140,6 +140,6 @@ DOCKER_STATE ?= /tmp/reval-docker-engine
 test-docker: $(STAMP)
 	scripts/docker_engine.sh start $(DOCKER_STATE)
 	status=0; scripts/make_images.sh && \
-	  $(BIN)/python -m pytest -q -m docker --basetemp=$(DOCKER_STATE)/pytest tests/docker \
+	  $(BIN)/python -m pytest -q -m docker --durations=10 --basetemp=$(DOCKER_STATE)/pytest tests/docker \
 	  || status=$$?; \
 	  scripts/docker_engine.sh stop $(DOCKER_STATE); exit $$status

@@ -25,7 +25,9 @@ start)
     echo "docker_engine: a Docker engine already answers; leaving it alone" >&2
     exit 0
   fi
-  iptables-save >"$state/iptables.rules"
+  # Both tables by name: a table never used yet is missing from a plain iptables-save, and a
+  # restore without it would leave dockerd's chains in place.
+  { iptables-save -t filter && iptables-save -t nat; } >"$state/iptables.rules"
   cat /proc/sys/net/ipv4/ip_forward >"$state/ip_forward"
   dockerd --pidfile "$state/dockerd.pid.docker" >"$state/dockerd.log" 2>&1 &
   echo $! >"$state/dockerd.pid"
