@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,134 +109,155 @@ def train(
 ) -> TrainResult:
     """Run the configured training; ``progress`` is called with each round's record.
     ``prepared``: the run built by ``prepare`` (default: built here)."""
-    prepared = prepared or prepare(cfg)
-    metrics, policy, task = prepared.metrics, prepared.policy, prepared.task
-    info, eval_prompts = prepared.info, prepared.eval_prompts
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "curve.png"):
-        (run_dir / stale).unlink(missing_ok=True)
-    dump_config(cfg, cfg.paths.config)
+    run = EmbeddedRun.build(cfg, prepared or prepare(cfg), progress)
+    initial = success = run.start()
+    for rnd in range(1, cfg.learner.rounds + 1):
+        record = run.round(rnd)
+        if "eval_success" in record:
+            success = record["eval_success"]
+        stop_at = cfg.learner.stop_at_success
+        if stop_at is not None and record.get("success_exact", 0.0) >= stop_at:
+            log.info("round %d: exact success %.3f >= %.2f: done", rnd,
+                     record["success_exact"], stop_at)  # fmt: skip
+            success = record["eval_success"] if "eval_success" in record else run.evaluate(rnd)
+            break
+    return run.finish(initial, success)
 
-    engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device)
-    learner = Learner(
-        policy.model,
-        cfg.learner,
-        cfg.algo,
-        policy.pad_id,
-        policy.eos_id,
-        policy.device,
-        compute_dtype=compute_dtype(cfg.model),
-    )
-    # A fresh run: a Redis run of the same name starts empty.
-    buffer_metrics = BufferMetrics(metrics.registry)
-    buffer = make_buffer(
-        cfg.buffer, cfg.name, cfg.seed, buffer_metrics, True,
-        samples_per_insert=cfg.samples_per_insert, redis=cfg.redis,
-    )  # fmt: skip
-    source = BatchSource.from_config(buffer, cfg)
-    step = UpdateStep(learner, cfg, buffer, UpdateMetrics(metrics.registry))
-    checkpointer = Checkpointer(
-        cfg.paths.checkpoints, learner.model, learner.reference.model, learner.optimizer,
-        [learner, step, source],
-    )  # fmt: skip
-    if cfg.metrics.prometheus_port is not None:
-        port = metrics.serve(cfg.metrics.prometheus_port, cfg.metrics.addr)
-        log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
-    writer = JsonlWriter(cfg.paths.metrics) if cfg.metrics.jsonl else None
-    dealer = PromptDealer(None, "", cfg.name, list(task.prompts), seed=cfg.seed)
-    episodes = EpisodeRunner.from_config(cfg.task)  # (task.environment: multi-turn episodes)
-    params = SamplingParams(
-        n=cfg.rollout.n,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-    )
 
-    drain = getattr(task.verifier, "drain_components", None)  # (a custom reward's components)
+@dataclass
+class EmbeddedRun:
+    """The parts of a one-process run (``build``), run round by round: ``start`` evaluates the
+    initial policy, ``round`` generates, inserts and updates, ``finish`` checkpoints, exports
+    and summarises."""
 
-    def run_eval(round_idx: int) -> float:
+    cfg: RunConfig
+    prepared: Prepared
+    progress: Callable[[dict[str, Any]], None] | None
+    engine: HFEngine
+    learner: Learner
+    buffer: Any
+    buffer_metrics: BufferMetrics
+    source: BatchSource
+    step: UpdateStep
+    checkpointer: Checkpointer
+    writer: JsonlWriter | None
+    dealer: PromptDealer
+    episodes: EpisodeRunner | None
+    params: SamplingParams
+    history: list[dict[str, Any]] = field(default_factory=list)
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def build(
+        cls,
+        cfg: RunConfig,
+        prepared: Prepared,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> EmbeddedRun:
+        """The run's directory (started afresh), learner, buffer (a Redis run of the same name
+        starts empty), batch source, update step, checkpointer, prompt deal and sampling."""
+        metrics, policy, task = prepared.metrics, prepared.policy, prepared.task
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (cfg.paths.metrics, cfg.paths.curve):
+            stale.unlink(missing_ok=True)
+        dump_config(cfg, cfg.paths.config)
+        engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device)
+        learner = Learner(policy.model, cfg.learner, cfg.algo, policy.pad_id, policy.eos_id,
+                          policy.device, compute_dtype=compute_dtype(cfg.model))  # fmt: skip
+        buffer_metrics = BufferMetrics(metrics.registry)
+        buffer = make_buffer(
+            cfg.buffer, cfg.name, cfg.seed, buffer_metrics, True,
+            samples_per_insert=cfg.samples_per_insert, redis=cfg.redis,
+        )  # fmt: skip
+        source = BatchSource.from_config(buffer, cfg)
+        step = UpdateStep(learner, cfg, buffer, UpdateMetrics(metrics.registry))
+        checkpointer = Checkpointer(
+            cfg.paths.checkpoints, learner.model, learner.reference.model, learner.optimizer,
+            [learner, step, source],
+        )  # fmt: skip
+        if cfg.metrics.prometheus_port is not None:
+            port = metrics.serve(cfg.metrics.prometheus_port, cfg.metrics.addr)
+            log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", port)
+        r = cfg.rollout
+        return cls(
+            cfg, prepared, progress, engine, learner, buffer, buffer_metrics, source, step,
+            checkpointer, JsonlWriter(cfg.paths.metrics) if cfg.metrics.jsonl else None,
+            PromptDealer(None, "", cfg.name, list(task.prompts), seed=cfg.seed),
+            EpisodeRunner.from_config(cfg.task),  # (task.environment: multi-turn episodes)
+            SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p,
+                           max_new_tokens=r.max_new_tokens),
+        )  # fmt: skip
+
+    @property
+    def drain(self) -> Callable[[], dict[str, float]] | None:
+        """A custom reward's named components, averaged since the last call."""
+        return getattr(self.prepared.task.verifier, "drain_components", None)
+
+    @property
+    def exact(self) -> Callable[[], float] | None:
+        return exact_success(self.prepared.task, self.prepared.policy)
+
+    def evaluate(self, round_idx: int) -> float:
+        cfg, p = self.cfg, self.prepared
         success = evaluate(
-            engine,
-            policy.tokenizer,
-            task,
-            eval_prompts,
-            cfg.eval.samples_per_prompt,
-            cfg.eval.temperature,
-            cfg.rollout.max_new_tokens,
-            seed=cfg.seed * 1000003 + round_idx,
-            episodes=episodes,
-        )
-        if drain is not None:  # (the rows' components are the training answers')
-            drain()
+            self.engine, p.policy.tokenizer, p.task, p.eval_prompts, cfg.eval.samples_per_prompt,
+            cfg.eval.temperature, cfg.rollout.max_new_tokens, seed=cfg.seed * 1000003 + round_idx,
+            episodes=self.episodes,
+        )  # fmt: skip
+        if self.drain is not None:  # (the rows' components are the training answers')
+            self.drain()
         return success
 
-    exact = exact_success(task, policy)
-    history: list[dict[str, Any]] = []
-    initial = run_eval(0)
-    metrics.success.set(initial)
-    record0 = {"round": 0, "eval_success": initial, "policy_version": 0, **info}
-    if exact is not None:
-        record0["success_exact"] = exact()
-    history.append(record0)
-    if writer:
-        writer.write(record0)
-    if progress:
-        progress(record0)
-    success = initial
-    bsz = cfg.batch_size
-    t_start = time.perf_counter()
-    per_round = cfg.learner.updates_per_round
-    if cfg.algo.name == "grpo":  # every whole group of the round once
-        per_round = -(-cfg.round_size // bsz)
-    for rnd in range(1, cfg.learner.rounds + 1):
+    def emit(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self.writer:
+            self.writer.write(record)
+        if self.progress:
+            self.progress(record)
+
+    def start(self) -> float:
+        """The initial policy's success, as round 0's record."""
+        initial = self.evaluate(0)
+        self.prepared.metrics.success.set(initial)
+        record0 = {"round": 0, "eval_success": initial, "policy_version": 0, **self.prepared.info}
+        if self.exact is not None:
+            record0["success_exact"] = self.exact()
+        self.emit(record0)
+        return initial
+
+    @property
+    def updates_per_round(self) -> int:
+        if self.cfg.algo.name == "grpo":  # every whole group of the round once
+            return -(-self.cfg.round_size // self.cfg.batch_size)
+        return self.cfg.learner.updates_per_round
+
+    def round(self, rnd: int) -> dict[str, Any]:
+        """Generate the round's answers, insert them, run its updates; its record."""
+        cfg, p, learner, buffer = self.cfg, self.prepared, self.learner, self.buffer
         t0 = time.perf_counter()
-        engine.policy_version = learner.step
+        self.engine.policy_version = learner.step
         result = collect_round(
-            engine,
-            policy.tokenizer,
-            task,
-            [p for _, p in dealer.take(cfg.rollout.prompts_per_round)],
-            params,
-            seed=cfg.seed * 7919 + rnd,
-            reward_variant=cfg.algo.reward,
-            group_prefix=f"r{rnd}",
-            run_id=cfg.name,
-            worker_id="embedded",
-            episodes=episodes,
-        )
+            self.engine, p.policy.tokenizer, p.task,
+            [prompt for _, prompt in self.dealer.take(cfg.rollout.prompts_per_round)],
+            self.params, seed=cfg.seed * 7919 + rnd, reward_variant=cfg.algo.reward,
+            group_prefix=f"r{rnd}", run_id=cfg.name, worker_id="embedded",
+            episodes=self.episodes,
+        )  # fmt: skip
         t_gen = time.perf_counter() - t0
         buffer.set_policy_version(learner.step)
         evicted = buffer.insert(result.trajectories)
-        if cfg.algo.name == "grpo" and per_round > 1:  # later updates clip against this policy
+        if cfg.algo.name == "grpo" and self.updates_per_round > 1:  # later ones clip against it
             learner.remember_old_logp(result.trajectories)
-        upd: dict[str, float] = {}
-        done = 0
-        for k in range(per_round):
-            buffer.set_policy_version(learner.step)
-            try:
-                # Nothing else inserts in a one-process run: waiting would not help.
-                batch = source.next(timeout=0.0)
-            except SampleTimeout as err:
-                log.info("round %d: update %d skipped: %s", rnd, k, err)
-                break
-            rec = step(batch.trajectories, batch.weights.tolist(), batch)
-            done += 1
-            for key, value in rec.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    upd[key] = upd.get(key, 0.0) + float(value)
-        upd = {key: value / max(done, 1) for key, value in upd.items()}
-        for key in ("update", "policy_version", "ref_version", "batch_size"):
-            upd.pop(key, None)
+        upd, done = self.updates(rnd)
         held = buffer.items()
         stats = buffer.stats()
-        buffer_metrics.observe_stats(stats)
+        self.buffer_metrics.observe_stats(stats)
         record: dict[str, Any] = {
             "round": rnd,
             "policy_version": learner.step,
             "reward_mean": result.reward_mean,
             "tokens": result.tokens,
-            **({} if episodes is None else result.episode_stats()),
+            **({} if self.episodes is None else result.episode_stats()),
             "buffer_size": len(buffer),
             "evicted": evicted,
             "buffer_evicted_unused": stats.evicted_unused,
@@ -247,55 +268,72 @@ def train(
             "ref_version": learner.reference.version,
             "gen_s": t_gen,
             "round_s": time.perf_counter() - t0,
-            "elapsed_s": time.perf_counter() - t_start,
+            "elapsed_s": time.perf_counter() - self.t_start,
         }
-        if drain is not None:  # (the round means of a custom reward's named components)
-            record.update({f"reward/{name}": v for name, v in sorted(drain().items())})
-        if exact is not None:
-            record["success_exact"] = exact()
+        if self.drain is not None:  # (the round means of a custom reward's named components)
+            record.update({f"reward/{name}": v for name, v in sorted(self.drain().items())})
+        if self.exact is not None:
+            record["success_exact"] = self.exact()
+        m = p.metrics
         if (cfg.eval.every and rnd % cfg.eval.every == 0) or rnd == cfg.learner.rounds:
-            success = run_eval(rnd)
-            record["eval_success"] = success
-            metrics.success.set(success)
-        metrics.round.set(rnd)
-        metrics.reward.set(result.reward_mean)
-        metrics.trajectories.inc(len(result.trajectories))
-        metrics.tokens.inc(result.tokens)
-        history.append(record)
-        if writer:
-            writer.write(record)
-        if progress:
-            progress(record)
+            record["eval_success"] = self.evaluate(rnd)
+            m.success.set(record["eval_success"])
+        m.round.set(rnd)
+        m.reward.set(result.reward_mean)
+        m.trajectories.inc(len(result.trajectories))
+        m.tokens.inc(result.tokens)
+        self.emit(record)
         if cfg.learner.checkpoint_every and rnd % cfg.learner.checkpoint_every == 0:
-            checkpointer.save(round=rnd)
-        stop_at = cfg.learner.stop_at_success
-        if stop_at is not None and record.get("success_exact", 0.0) >= stop_at:
-            log.info("round %d: exact success %.3f >= %.2f: done", rnd,
-                     record["success_exact"], stop_at)  # fmt: skip
-            success = record["eval_success"] if "eval_success" in record else run_eval(rnd)
-            break
-    if writer:
-        writer.close()
-    close_verifier = getattr(task.verifier, "close", None)
-    if close_verifier is not None:  # the math task's grading pool
-        close_verifier()
-    checkpointer.save(round=history[-1]["round"])
-    with _no_library_progress_bar():  # (transformers' bar of its one shard)
-        ckpt = export_hf(policy.model, policy.tokenizer, cfg.paths.final)
-    if cfg.metrics.plot:
-        from services.plot import plot_curve
+            self.checkpointer.save(round=rnd)
+        return record
 
-        plot_curve(history, cfg.paths.curve, title=f"{cfg.name}: {cfg.algo.name}")
-    summary = {
-        "initial_success": initial,
-        "final_success": success,
-        "rounds": history[-1]["round"],
-        "success_exact": history[-1].get("success_exact"),
-        "policy_version": learner.step,
-        "skipped_steps": learner.skipped_steps,
-    }
-    cfg.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
-    return TrainResult(run_dir, history, initial, success, ckpt)
+    def updates(self, rnd: int) -> tuple[dict[str, float], int]:
+        """The round's updates: the means of their numeric metrics, and how many ran."""
+        upd: dict[str, float] = {}
+        done = 0
+        for k in range(self.updates_per_round):
+            self.buffer.set_policy_version(self.learner.step)
+            try:
+                # Nothing else inserts in a one-process run: waiting would not help.
+                batch = self.source.next(timeout=0.0)
+            except SampleTimeout as err:
+                log.info("round %d: update %d skipped: %s", rnd, k, err)
+                break
+            rec = self.step(batch.trajectories, batch.weights.tolist(), batch)
+            done += 1
+            for key, value in rec.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    upd[key] = upd.get(key, 0.0) + float(value)
+        upd = {key: value / max(done, 1) for key, value in upd.items()}
+        for key in ("update", "policy_version", "ref_version", "batch_size"):
+            upd.pop(key, None)
+        return upd, done
+
+    def finish(self, initial: float, success: float) -> TrainResult:
+        """The last checkpoint, the Hugging Face export, the curve and the summary."""
+        cfg, p, history = self.cfg, self.prepared, self.history
+        if self.writer:
+            self.writer.close()
+        close_verifier = getattr(p.task.verifier, "close", None)
+        if close_verifier is not None:  # the math task's grading pool
+            close_verifier()
+        self.checkpointer.save(round=history[-1]["round"])
+        with _no_library_progress_bar():  # (transformers' bar of its one shard)
+            ckpt = export_hf(p.policy.model, p.policy.tokenizer, cfg.paths.final)
+        if cfg.metrics.plot:
+            from services.plot import plot_curve
+
+            plot_curve(history, cfg.paths.curve, title=f"{cfg.name}: {cfg.algo.name}")
+        summary = {
+            "initial_success": initial,
+            "final_success": success,
+            "rounds": history[-1]["round"],
+            "success_exact": history[-1].get("success_exact"),
+            "policy_version": self.learner.step,
+            "skipped_steps": self.learner.skipped_steps,
+        }
+        cfg.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
+        return TrainResult(cfg.run_dir, history, initial, success, ckpt)
 
 
 @contextmanager
