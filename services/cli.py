@@ -84,9 +84,8 @@ def _config_args(parser: argparse.ArgumentParser, set_help: str) -> None:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="reval", description="ReVal: off-policy RL post-training")
-    sub = p.add_subparsers(dest="command", required=True)
+def _add_train(sub: Any) -> None:
+    """``reval train``: the whole loop in one process."""
     t = sub.add_parser("train", help="run the whole ReVal loop in one process")
     _config_args(t, "override a field, e.g. --set learner.lr=1e-3 (repeatable)")
     t.add_argument(
@@ -103,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
         help="replace a run directory that holds another run (a different config); without "
         "it such a directory is refused (the same config again reruns in place)",
     )
+
+
+def _add_learner(sub: Any) -> None:
+    """``reval learner``: the learner service."""
     le = sub.add_parser("learner", help="run the learner service (FSDP2 ranks)")
     _config_args(le, "override a field (repeatable)")
     le.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -121,6 +124,10 @@ def _parser() -> argparse.ArgumentParser:
         help="export the latest checkpoint as a Hugging Face checkpoint and stop "
         "(a running learner exports on SIGUSR1)",
     )
+
+
+def _add_rollout(sub: Any) -> None:
+    """``reval rollout``: one rollout worker."""
     r = sub.add_parser("rollout", help="run one rollout worker (generate, verify, push)")
     _config_args(r, "override a field, e.g. --set redis.url=redis://host:6379/0 (repeatable)")
     r.add_argument(
@@ -131,6 +138,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--worker-id", help="stable id of this worker (default: host-pid-random)")
     r.add_argument("--max-batches", type=int, help="stop after this many generation batches")
     r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+
+
+def _add_launch(sub: Any) -> None:
+    """``reval launch``: the Ray launch and its control."""
     la = sub.add_parser(
         "launch",
         help="run learner ranks and rollout workers on Ray; or control a launched run",
@@ -144,6 +155,10 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument(
         "--export", action="store_true", help="the launched run's learner exports an HF checkpoint"
     )
+
+
+def _add_eval(sub: Any) -> None:
+    """``reval eval``: evaluation."""
     ev = sub.add_parser(
         "eval", help="evaluate a checkpoint on the paper's benchmarks (avg@k, the paper's table)"
     )
@@ -164,6 +179,10 @@ def _parser() -> argparse.ArgumentParser:
                     "evaluations (the paper: 10)")  # fmt: skip
     ev.add_argument("--max-evals", type=int, help="with --follow: stop after this many")
     ev.add_argument("--metrics-port", type=int, help="with --follow: serve reval_eval_* here")
+
+
+def _add_experiment(sub: Any) -> None:
+    """``reval experiment``: the paper's experiments at CPU scale."""
     ex = sub.add_parser("experiment", help="the paper's experiments at CPU scale")
     ex.add_argument("name", choices=["oneshot"], help="oneshot: the off-policy data study")
     ex.add_argument("--seeds", type=int, default=5, help="seeds per cell")
@@ -181,6 +200,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--select-seeds", type=int, default=3, help="seeds of the selection phases")
     ex.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
     _config_args(ex, "override a field of configs/oneshot.toml (repeatable)")
+
+
+def _add_serve(sub: Any) -> None:
+    """``reval serve``: the REST control plane."""
     sv = sub.add_parser("serve", help="the REST control plane (FastAPI under uvicorn)")
     sv.add_argument("--host", help="listen address (default 127.0.0.1)")
     sv.add_argument("--port", type=int, help="port (default 8080)")
@@ -197,6 +220,21 @@ def _parser() -> argparse.ArgumentParser:
         help="serve it as a Ray Serve deployment (RAY_ADDRESS or a local Ray) instead of uvicorn",
     )
     sv.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (with --ray)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reval", description="ReVal: off-policy RL post-training")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_train,
+        _add_learner,
+        _add_rollout,
+        _add_launch,
+        _add_eval,
+        _add_experiment,
+        _add_serve,
+    ):
+        add(sub)
     from services.client import add_parser as add_runs
 
     add_runs(sub)
