@@ -45,7 +45,7 @@ class BatchSource:
         return cls(
             buffer,
             cfg.batch_size,
-            on_policy=cfg.algo.name == "grpo",
+            on_policy=cfg.algo.on_policy,
             updates_per_round=cfg.learner.updates_per_round,
             fresh_updates=cfg.fresh_updates,
         )

@@ -128,7 +128,7 @@ class LearnerService:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         b = cfg.batch_size
-        if b % self.world and cfg.algo.name != "grpo":
+        if b % self.world and not cfg.algo.on_policy:
             raise ValueError(f"learner.batch_size ({b}) must divide by world_size ({self.world})")
         self.device = rank_device(os.environ, torch.cuda.device_count(), cfg.model.device)
         self.run_dir = cfg.run_dir

@@ -121,7 +121,7 @@ class Learner:
 
     @property
     def uses_reference(self) -> bool:
-        return self.algo.name != "grpo"
+        return not self.algo.on_policy
 
     def state_dict(self) -> dict[str, int]:
         """The learner's counters, for a checkpoint's ``reval_state.json`` (its weights and
@@ -174,13 +174,13 @@ class Learner:
             raise ValueError("update needs at least one trajectory")
         if weights is not None and len(weights) != len(trajectories):
             raise ValueError(f"{len(weights)} weights for {len(trajectories)} trajectories")
-        if weights is not None and self.algo.name == "grpo":
+        if weights is not None and self.algo.on_policy:
             raise ValueError("importance weights apply to the value losses, not grpo")
         w_all = None if weights is None else torch.as_tensor(list(weights), dtype=torch.float32)
         keep = None
         if self.algo.mask_truncated:  # responses cut at max_new_tokens leave the loss
             keep = torch.tensor([t.finish_reason != "length" for t in trajectories]).float()
-            if self.algo.name != "grpo":
+            if not self.algo.on_policy:
                 w_all = keep if w_all is None else w_all * keep
         failed: str | None = None
         try:
@@ -231,7 +231,7 @@ class Learner:
         batches = [make_batch(c, self.pad_id, self.eos_id, packed) for c in chunks]
         advantages = None
         denom: float = float(bsz)
-        if self.algo.name == "grpo":
+        if self.algo.on_policy:
             raw = torch.tensor([t.reward_raw for t in trajectories])
             advantages = grpo_advantages(raw, [t.group_id for t in trajectories])
             if keep is not None:

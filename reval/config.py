@@ -456,6 +456,15 @@ class AlgoConfig(_Section):
     tis_cap: float = 2.0
     """GRPO: cap C of the truncated importance weight min(exp(old - rollout), C); <= 0 is off."""
 
+    @property
+    def on_policy(self) -> bool:
+        """Where the algorithms differ, asked in one place (never by name). GRPO is on-policy:
+        each trajectory is trained on once, in whole groups of its prompt (its advantages need
+        the group), newest first, with no reference, no importance weights of prioritized replay
+        and a token-mean loss. The value losses (ReVal, TBRM, regression) are off-policy: they
+        replay the buffer K times against a frozen reference (docs/algorithm.md)."""
+        return self.name == "grpo"
+
 
 class SyncConfig(_Section):
     """Weight transport from the learner to the generators."""
@@ -646,7 +655,7 @@ class RunConfig(_Section):
         study's copy with another K) follows."""
         if self.buffer.samples_per_insert is not None:
             return self.buffer.samples_per_insert
-        if self.algo.name == "grpo":
+        if self.algo.on_policy:
             return 1.0
         return self.learner.updates_per_round * self.batch_size / self.round_size
 
@@ -654,7 +663,7 @@ class RunConfig(_Section):
     def fresh_updates(self) -> int:
         """Updates of a round that take never-used trajectories (``learner.first_update_fresh``):
         as many as one round fills, at most ``updates_per_round``; every one for GRPO."""
-        if self.algo.name == "grpo":
+        if self.algo.on_policy:
             return self.learner.updates_per_round
         if not self.learner.first_update_fresh:
             return 0
@@ -714,19 +723,19 @@ class RunConfig(_Section):
                 f"buffer.min_size_to_sample), samples_per_insert x {need} = "
                 f"{self.samples_per_insert * need:g} samples ahead; raise it, or leave it unset"
             )
-        if self.algo.name == "grpo" and self.buffer.prioritized:
+        if self.algo.on_policy and self.buffer.prioritized:
             raise ValueError(
                 "buffer.prioritized needs a value loss (algo.name reval, tbrm or regression): "
                 "grpo has no Bellman residual to prioritize by"
             )
-        if self.algo.name == "grpo" and self.batch_size // self.rollout.n < self.learner.world_size:
+        if self.algo.on_policy and self.batch_size // self.rollout.n < self.learner.world_size:
             raise ValueError(
                 f"algo.name=grpo: a batch of {self.batch_size} holds "
                 f"{self.batch_size // self.rollout.n} groups of rollout.n = {self.rollout.n}, "
                 f"fewer than learner.world_size ({self.learner.world_size}): each rank needs "
                 "whole groups"
             )
-        if self.algo.name == "grpo" and (
+        if self.algo.on_policy and (
             self.learner.updates_per_round != 1 or not self.learner.first_update_fresh
         ):
             raise ValueError(

@@ -227,7 +227,7 @@ class EmbeddedRun:
 
     @property
     def updates_per_round(self) -> int:
-        if self.cfg.algo.name == "grpo":  # every whole group of the round once
+        if self.cfg.algo.on_policy:  # every whole group of the round once
             return -(-self.cfg.round_size // self.cfg.batch_size)
         return self.cfg.learner.updates_per_round
 
@@ -246,7 +246,7 @@ class EmbeddedRun:
         t_gen = time.perf_counter() - t0
         buffer.set_policy_version(learner.step)
         evicted = buffer.insert(result.trajectories)
-        if cfg.algo.name == "grpo" and self.updates_per_round > 1:  # later ones clip against it
+        if cfg.algo.on_policy and self.updates_per_round > 1:  # later ones clip against it
             learner.remember_old_logp(result.trajectories)
         upd, done = self.updates(rnd)
         held = buffer.items()
