@@ -577,9 +577,10 @@ def _check_obj(obj: Any) -> tuple[Any, ...]:
             )
         raise RecordError(f"record is not an array (got {type(obj).__name__})")
     version = obj[0] if obj else None
-    old = version in (OLD_SCHEMA_VERSION, SPANLESS_SCHEMA_VERSION) and type(version) is int
-    if old and len(obj) == len(WIRE_FIELDS) - (SCHEMA_VERSION - version):
-        return _check_obj(_upgrade(obj))
+    if type(version) is int:
+        lacks = {OLD_SCHEMA_VERSION: 2, SPANLESS_SCHEMA_VERSION: 1}.get(version)  # (its fields)
+        if lacks is not None and len(obj) == len(WIRE_FIELDS) - lacks:
+            return _check_obj(_upgrade(obj))
     if version != SCHEMA_VERSION or type(version) is not int:
         raise RecordError(f"unknown schema version {version!r} (this build reads {SCHEMA_VERSION})")
     if len(obj) != len(WIRE_FIELDS):
