@@ -448,12 +448,20 @@ class RolloutWorker:
             self.last_tick = time.monotonic()
             return self.stop.is_set() or not self._follow_control()
 
+        ahead_since: list[float] = []
+
         def may_admit() -> bool:
             if self.paused:
                 return False
+            now = time.monotonic()
             if self._ahead():
-                self._say_waiting(time.monotonic())
+                self._say_waiting(now)
+                if ahead_since:
+                    self.metrics.ahead_wait.inc(now - ahead_since[0])
+                ahead_since[:] = [now]
                 return False
+            if ahead_since:
+                self.metrics.ahead_wait.inc(now - ahead_since.pop())
             self._waiting_since = None
             return True
 
