@@ -8,7 +8,7 @@ Keys of run R (built in ``reval.redis``; the run's hash tag, so one Redis Cluste
   the desired rollout ``workers`` (``reval launch`` scales to it), the sequence numbers of
   ``checkpoint`` and ``export`` requests, one field ``hp:<name>`` (a JSON number) per live
   hyperparameter requested (``LiveHParams``), and what ``reval launch``'s driver adds about
-  itself (``driver_seen``, ``ray_address``, ``ray_auth_mode``).
+  itself (``driver_seen`` and its status, ``driver``).
 - ``status`` (hash): what the learner reports after each update (phase, step,
   policy version, the last metrics, the checkpoints, the hyperparameters in force).
 - ``events`` (stream): every request and every change applied, with the learner's
@@ -153,6 +153,10 @@ def adopt_run(client: redis.Redis, prefix: str, run: str, config: dict[str, Any]
     return bool(client.hsetnx(runs_key(prefix), run, json.dumps(entry)))
 
 
+DRIVER_TIMEOUT_S = 30.0
+"""A ``reval launch`` driver whose heartbeat is older than this is gone."""
+
+
 @dataclass
 class ControlState:
     phase: str = "running"
@@ -290,6 +294,22 @@ class RunControl:
                 }
             )
         return out
+
+    def beat_driver(self, status: Mapping[str, Any]) -> None:
+        """The ``reval launch`` driver's heartbeat, once a loop: when it last went round and its
+        status (its workers, the learner's restarts), which ``reval launch --status`` reads."""
+        driver = json.dumps(status, default=str)
+        self.client.hset(self.control, mapping={"driver_seen": time.time(), "driver": driver})
+
+    def driver(self) -> dict[str, Any] | None:
+        """The status the run's driver last wrote, while its heartbeat is fresher than
+        ``DRIVER_TIMEOUT_S``; None when no driver runs the run."""
+        seen, raw = self.client.hmget(self.control, ["driver_seen", "driver"])
+        beat = _float(seen.decode() if seen else None)
+        if beat is None or raw is None or time.time() - beat >= DRIVER_TIMEOUT_S:
+            return None
+        out = json.loads(raw)
+        return out if isinstance(out, dict) else None
 
     def restart(self) -> None:
         """The run starts again: its last final status goes and its phase is running."""

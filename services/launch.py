@@ -12,9 +12,11 @@ it, and it:
   ``launch.max_learner_restarts``): the workers keep generating with their old weights meanwhile,
   and the buffer is in Redis, so nothing generated is lost;
 - replaces a worker that died (``launch.replace_dead_workers``);
-- takes requests from other processes through a named actor, the run's *mailbox*
-  (``reval launch --add N`` / ``--remove N`` / ``--status``, found by run name in
-  ``launch.namespace``), and posts the run's status there;
+- follows the run's control keys in Redis (``reval/control.py``: the one control channel, which
+  the REST API, ``reval launch --add N`` / ``--remove N`` / ``--stop`` / ``--export`` from any
+  other process, and its own SIGINT/SIGTERM all write): the desired number of workers, a stop;
+  an export is the learner's to follow. It writes its heartbeat and status there once a loop,
+  which ``reval launch --status`` reads;
 - when the learner has done its steps (or on SIGINT/SIGTERM: the learner checkpoints), drains the
   workers (they push what they hold and deregister) and ends.
 
@@ -47,10 +49,6 @@ log = logging.getLogger("reval.launch")
 TICK_S = 0.5
 
 
-def mailbox_name(run: str) -> str:
-    return f"reval-run:{run}"
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -59,32 +57,6 @@ def _free_port() -> int:
 
 def _actor_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-
-
-class Mailbox:
-    """The run's named actor: requests in (add/remove workers, stop), status out."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, int]] = []
-        self.status: dict[str, Any] = {"state": "starting"}
-
-    def request(self, kind: str, n: int = 0) -> bool:
-        if kind not in ("add", "remove", "stop", "export"):
-            raise ValueError(f"unknown request {kind!r} (add, remove, stop, export)")
-        if kind in ("add", "remove") and n < 1:
-            raise ValueError(f"{kind} needs a count >= 1, got {n}")
-        self.requests.append((kind, n))
-        return True
-
-    def take(self) -> list[tuple[str, int]]:
-        out, self.requests = self.requests, []
-        return out
-
-    def post(self, status: dict[str, Any]) -> None:
-        self.status = status
-
-    def get_status(self) -> dict[str, Any]:
-        return self.status
 
 
 class LearnerRank:
@@ -123,11 +95,6 @@ class LearnerRank:
 
         state = run_rank(cfg, resume, None, on_service=keep, handle_signals=False)
         return dict(state.__dict__)
-
-    def export(self) -> None:
-        """Export an HF checkpoint before the next update (``run_dir/exports/step-N``)."""
-        if self.service is not None:
-            self.service.export_now.set()
 
     def stop(self) -> None:
         """Checkpoint and stop after the current update (every rank agrees through rank 0)."""
@@ -219,17 +186,13 @@ class Launch:
                 need = self.world * lc.learner_cpus + (lc.workers + 2) * lc.rollout_cpus
                 kwargs["num_cpus"] = lc.local_cpus or max(int(need + 0.999), os.cpu_count() or 1)
             ray.init(**kwargs)
-        try:
-            ray.get_actor(mailbox_name(cfg.name), namespace=lc.namespace)
-        except ValueError:
-            pass
-        else:
-            raise RuntimeError(f"run {cfg.name!r} is already launched on this Ray cluster")
-        self.mailbox = (
-            ray.remote(Mailbox)
-            .options(name=mailbox_name(cfg.name), namespace=lc.namespace, num_cpus=0)
-            .remote()
-        )
+        from reval.control import RunControl
+        from reval.redis import connect
+
+        self.control = RunControl(connect(cfg.redis.url, timeout_s=5), cfg.redis.prefix, cfg.name)
+        if self.control.driver() is not None:
+            raise RuntimeError(f"run {cfg.name!r} is already launched (its driver's heartbeat "
+                               "is in Redis)")  # fmt: skip
         bundle: dict[str, float] = {"CPU": lc.learner_cpus}
         if lc.learner_gpus:
             bundle["GPU"] = lc.learner_gpus
@@ -246,30 +209,14 @@ class Launch:
         self.next_worker = 0
         self.dead_workers = 0
         self.stop_requested = False
+        self.stop_signalled = False
+        """A SIGINT/SIGTERM stopped the run: the loop writes it to the control keys."""
         self.state = "starting"
         self.metrics = LaunchMetrics()
         self.last_tick = time.monotonic()
         self.started = time.time()
         self.replace_after = 0.0  # (backoff of replacing workers that keep dying)
         self.deaths: list[float] = []
-        from reval.control import RunControl
-        from reval.redis import connect
-
-        self.control = RunControl(
-            connect(cfg.redis.url, timeout_s=5),
-            cfg.redis.prefix,
-            cfg.name,
-        )
-        # Where `reval launch --add/--status` (another process) finds this run's Ray cluster:
-        # "auto" would pick whichever local Ray started last when several run on one machine.
-        try:
-            where = {"ray_address": ray.get_runtime_context().gcs_address,
-                     # (ray.init turns token auth on for a local cluster through this variable;
-                     # a client with an explicit address must set it the same way)
-                     "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "")}  # fmt: skip
-            self.control.client.hset(self.control.control, mapping=where)
-        except Exception as err:  # the control works without it (RAY_ADDRESS or "auto")
-            log.warning("could not record the Ray address: %s", err)
         self.ops: Any = None
         if lc.metrics_port is not None:
             from reval.ops_http import OpsServer
@@ -446,17 +393,6 @@ class Launch:
             "time": time.time(),
         }
 
-    def _handle_requests(self) -> None:
-        for kind, n in self.ray.get(self.mailbox.take.remote()):
-            if kind in ("add", "remove"):  # through the control keys: one desired count
-                desired = self._desired()
-                self.control.set_workers(max(0, desired + (n if kind == "add" else -n)))
-            elif kind == "stop":
-                self.request_stop()
-            elif kind == "export":
-                log.info("export requested: before the learner's next update")
-                self.ranks[0].export.remote()
-
     def _desired(self) -> int:
         try:
             got = self.control.read().workers
@@ -511,22 +447,23 @@ class Launch:
                     ok = True
                     break
                 try:
-                    self._handle_requests()
+                    if self.stop_signalled and self.control.read().phase != "stopping":
+                        self.control.set_phase("stopping")  # (seen by the API and the runs CLI)
                     self._follow_control()
                 except redis.RedisError as err:  # Redis away: try again next tick
                     log.warning("run control unavailable: %s", err)
                 self._check_workers()
                 self._worker_pids()
-                self.mailbox.post.remote(self.status())
                 self.last_tick = time.monotonic()
                 with contextlib.suppress(Exception):  # the heartbeat the REST API reads
-                    self.control.client.hset(self.control.control, "driver_seen", time.time())
+                    self.control.beat_driver(self.status())
                 self.metrics.workers.set(len(self.workers))
                 self.metrics.desired.set(self._desired())
                 time.sleep(TICK_S)
         finally:
             self.state = "draining"
-            self.mailbox.post.remote(self.status())
+            with contextlib.suppress(Exception):
+                self.control.beat_driver(self.status())
             self.shutdown()
         self.state = "done" if ok else "failed"
         return self.status()
@@ -551,7 +488,6 @@ class Launch:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.pg)
-        ray.kill(self.mailbox, no_restart=True)
 
 
 def launch(cfg: RunConfig, resume: bool = False) -> int:
@@ -565,6 +501,7 @@ def launch(cfg: RunConfig, resume: bool = False) -> int:
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal %d", signum)
+        driver.stop_signalled = True
         driver.request_stop()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -583,47 +520,30 @@ def launch(cfg: RunConfig, resume: bool = False) -> int:
 def control(
     cfg: RunConfig, add: int = 0, remove: int = 0, stop: bool = False, export: bool = False
 ) -> dict[str, Any]:
-    """From another process: send requests to a launched run, return its status."""
-    address = os.environ.get("RAY_ADDRESS")
-    if not address:
-        address, auth_mode = _recorded_address(cfg)
-        if auth_mode and "RAY_AUTH_MODE" not in os.environ:
-            os.environ["RAY_AUTH_MODE"] = auth_mode  # (read when ray is imported)
-    import ray
+    """From another process: requests to a launched run through its control keys in Redis (the
+    same channel as the REST API's), and the status its driver last wrote. LookupError when no
+    driver runs it (no heartbeat within ``DRIVER_TIMEOUT_S``)."""
+    from reval.control import RunControl
+    from reval.redis import connect
 
-    if not ray.is_initialized():
-        ray.init(address=address or "auto", namespace=cfg.launch.namespace, log_to_driver=False)
     try:
-        box = ray.get_actor(mailbox_name(cfg.name), namespace=cfg.launch.namespace)
-    except ValueError as err:
-        raise LookupError(
-            f"no launched run {cfg.name!r} in Ray namespace {cfg.launch.namespace!r}"
-        ) from err
-    if add:
-        ray.get(box.request.remote("add", add))
-    if remove:
-        ray.get(box.request.remote("remove", remove))
+        control = RunControl(connect(cfg.redis.url, timeout_s=5), cfg.redis.prefix, cfg.name)
+        status = control.driver()
+    except redis.RedisError as err:
+        raise ConnectionError(f"Redis at redis.url: {err}") from err
+    if status is None:
+        raise LookupError(f"no launched run {cfg.name!r}: no driver's heartbeat in Redis at "
+                          f"prefix {cfg.redis.prefix!r}")  # fmt: skip
+    if add or remove:
+        live = [w for w in status.get("workers", []) if not w.get("draining")]
+        desired = control.read().workers
+        desired = len(live) if desired is None else desired
+        control.set_workers(max(0, desired + add - remove))
     if export:
-        ray.get(box.request.remote("export"))
+        control.request("export")
     if stop:
-        ray.get(box.request.remote("stop"))
-    return dict(ray.get(box.get_status.remote()))
+        control.set_phase("stopping")
+    return status
 
 
-def _recorded_address(cfg: RunConfig) -> tuple[str | None, str | None]:
-    """The Ray address (and auth mode) the run's driver recorded in its control hash."""
-    import redis
-
-    from reval.redis import connect, control_key
-
-    try:
-        client = connect(cfg.redis.url, timeout_s=5)
-        raw = client.hmget(control_key(cfg.redis.prefix, cfg.name),
-                           ["ray_address", "ray_auth_mode"])  # fmt: skip
-    except redis.RedisError:
-        return None, None
-    address, mode = (x.decode() if x else None for x in raw)
-    return address, mode
-
-
-__all__: Sequence[str] = ["Launch", "control", "launch", "mailbox_name"]
+__all__: Sequence[str] = ["Launch", "control", "launch"]
