@@ -31,7 +31,7 @@ from reval.config import (
     build_config,
     public_dump,
 )
-from reval.control import LiveHParams, RunControl, RunLease
+from reval.control import DRIVER_TIMEOUT_S, LiveHParams, RunControl, RunLease
 from reval.redis import claim_key, connect, runs_key
 from reval.run_dir import RunDir
 from services.api.models import Accepted, BufferInfo, CreateRun, Event, Health, RunInfo, WorkerInfo
@@ -197,7 +197,7 @@ class RunService:
             started_at = float(entry.get("started_at") or 0)
             beat = ctl.driver_seen
             alive = (
-                (beat is not None and now - beat < 30)
+                (beat is not None and now - beat < DRIVER_TIMEOUT_S)
                 or _pid_alive(entry.get("pid"))
                 or (now - started_at < 120 and (beat is None or beat < started_at))
             )
