@@ -55,7 +55,7 @@ from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner, UpdateMemoryError
 from reval import registry
 from reval.config import RunConfig, dump_config, public_dump
-from reval.control import LeaseHeld, RunControl, RunLease, adopt_run
+from reval.control import LeaseHeld, LiveHParams, RunControl, RunLease, RunStatus, adopt_run
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import compute_dtype, load_policy
 from reval.procs import follow_parent
@@ -84,6 +84,23 @@ class LearnerState:
     """Update attempts (skipped non-finite steps included)."""
     ref_version: int = 0
     ref_resets: int = 0
+
+
+@dataclass
+class Pending:
+    """What the run's control keys ask of the learner before its next update, as rank 0 read
+    them (``LearnerService._control``; broadcast so that every rank does the same)."""
+
+    stop: bool = False
+    """Checkpoint and stop (phase ``stopping``)."""
+    pause: bool = False
+    """Wait, taking no batch (phase ``paused``)."""
+    checkpoint: bool = False
+    """A checkpoint now (a new ``checkpoint`` request)."""
+    export: bool = False
+    """A Hugging Face export now (a new ``export`` request)."""
+    hparams: LiveHParams | None = None
+    """Live hyperparameters to apply before this update (only those that change)."""
 
 
 class LearnerMetrics:
@@ -262,36 +279,37 @@ class LearnerService:
 
     # -- live control -------------------------------------------------------------------------
 
-    def _control(self) -> dict[str, Any]:
+    def _control(self) -> Pending:
         """Rank 0 reads the run's control keys (``reval/control.py``) and every rank gets the
         same decisions: stop, pause, a checkpoint or an export now, hyperparameters to apply
         before this step (each applied change is recorded in the run's events with the step)."""
-        todo: dict[str, Any] = {"stop": False, "pause": False, "checkpoint": False,
-                                "export": False, "hparams": None}  # fmt: skip
+        todo = Pending()
         if self.rank == 0:
             try:
                 st = self.control.read()
             except (redis.ConnectionError, redis.TimeoutError):
                 st = None  # Redis away: carry on as before; the buffer retries on its own
             if st is not None:
-                todo["stop"] = st.phase == "stopping"
-                todo["pause"] = st.phase == "paused"
-                todo["checkpoint"] = st.checkpoint > self.seen["checkpoint"]
-                todo["export"] = st.export > self.seen["export"]
-                self.seen["checkpoint"], self.seen["export"] = st.checkpoint, st.export
                 changes = st.hparams.learner_changes(self.update_step.applied)
-                todo["hparams"] = changes if changes.set_fields() else None
-                if todo["pause"] != self.paused:
+                todo = Pending(
+                    stop=st.phase == "stopping",
+                    pause=st.phase == "paused",
+                    checkpoint=st.checkpoint > self.seen["checkpoint"],
+                    export=st.export > self.seen["export"],
+                    hparams=changes if changes.set_fields() else None,
+                )
+                self.seen["checkpoint"], self.seen["export"] = st.checkpoint, st.export
+                if todo.pause != self.paused:
                     with contextlib.suppress(redis.RedisError):
-                        self.control.record("paused" if todo["pause"] else "resumed",
+                        self.control.record("paused" if todo.pause else "resumed",
                                             step=self.learner.step)  # fmt: skip
         if self.world > 1:
             box = [todo]
             dist.broadcast_object_list(box, src=0)
             todo = box[0]
-        self.paused = bool(todo["pause"])
-        if todo["hparams"] is not None:
-            done = self.update_step.apply(todo["hparams"])
+        self.paused = todo.pause
+        if todo.hparams is not None:
+            done = self.update_step.apply(todo.hparams)
             if self.rank == 0:
                 log.info("step %d: applied %s", self.learner.step, done)
                 with contextlib.suppress(redis.RedisError):  # (the change itself is made)
@@ -395,19 +413,19 @@ class LearnerService:
                 )
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any rank's request counts
                 todo = self._control()  # the run's control keys, as rank 0 read them
-                if flags[1].item() or todo["export"]:
+                if flags[1].item() or todo.export:
                     self.export_now.clear()
                     self.export_hf(self.export_path())
-                if todo["checkpoint"]:
+                if todo.checkpoint:
                     self.save_checkpoint()
-                if flags[0].item() or todo["stop"]:
+                if flags[0].item() or todo.stop:
                     log.info("stopping: checkpoint at step %d", self.learner.step)
                     break
                 if flags[2].item():
                     log.error("the run's lease went to another learner: stopping, no checkpoint")
                     self.saved_step = self.learner.step  # (that learner writes them now)
                     break
-                if todo["pause"]:
+                if todo.pause:
                     self._status("paused")
                     time.sleep(0.2)
                     continue
@@ -515,18 +533,18 @@ class LearnerService:
             return
         self.metrics.paused.set(1 if phase == "paused" else 0)
         st = self.state
-        status: dict[str, Any] = {
-            "phase": phase,
-            "step": st.step,
-            "updates": st.updates,
-            "policy_version": st.step,
-            "hparams": self.update_step.applied.set_fields(),
-            "checkpoints": sorted(
+        status = RunStatus(
+            phase=phase,
+            step=st.step,
+            updates=st.updates,
+            policy_version=st.step,
+            hparams=self.update_step.applied.set_fields(),
+            checkpoints=sorted(
                 p.name for p in self.ckpt_dir.glob("step-*") if not p.name.endswith(PARTIAL)
             )[-5:],
-        }
+        )
         if last is not None:
-            status["last"] = last
+            status.last = last
         try:
             self.control.publish_status(status)
         except (redis.ConnectionError, redis.TimeoutError) as err:

@@ -153,6 +153,29 @@ def adopt_run(client: redis.Redis, prefix: str, run: str, config: dict[str, Any]
     return bool(client.hsetnx(runs_key(prefix), run, json.dumps(entry)))
 
 
+class RunStatus(BaseModel):
+    """What the learner reports after each update (the run's ``status`` hash): what
+    ``GET /v1/runs/{name}`` shows."""
+
+    model_config = ConfigDict(extra="ignore")
+    phase: str | None = None
+    """``running``, ``paused``, ``stopped``, ``done``, ``failed`` (None: nothing reported)."""
+    step: int | None = None
+    """Optimizer steps taken."""
+    updates: int | None = None
+    """Update attempts (skipped steps included)."""
+    policy_version: int | None = None
+    """The version of the weights last published."""
+    hparams: dict[str, Any] = Field(default_factory=dict)
+    """The live hyperparameters in force."""
+    checkpoints: list[str] = Field(default_factory=list)
+    """The newest checkpoints' names."""
+    last: dict[str, Any] | None = None
+    """The last update's metrics."""
+    time: float | None = None
+    """When it was written."""
+
+
 DRIVER_TIMEOUT_S = 30.0
 """A ``reval launch`` driver whose heartbeat is older than this is gone."""
 
@@ -268,15 +291,25 @@ class RunControl:
         self.client.hset(self.control, "phase", "running")
         return True
 
-    def publish_status(self, status: dict[str, Any]) -> None:
-        self.client.hset(
-            self.status,
-            mapping={k: json.dumps(v) for k, v in status.items()}
-            | {"time": json.dumps(time.time())},
-        )
+    def publish_status(self, status: RunStatus | Mapping[str, Any]) -> None:
+        """Write the fields ``status`` sets (the others keep what was there), and the time."""
+        given = RunStatus.model_validate(status).model_dump(exclude_unset=True)
+        given["time"] = time.time()
+        self.client.hset(self.status, mapping={k: json.dumps(v) for k, v in given.items()})
 
-    def read_status(self) -> dict[str, Any]:
-        return {k.decode(): json.loads(v) for k, v in self.client.hgetall(self.status).items()}
+    def read_status(self) -> RunStatus:
+        """The run's status as its learner last wrote it; a field a foreign writer garbled is
+        left out."""
+        raw = {k.decode(): v for k, v in self.client.hgetall(self.status).items()}
+        fields: dict[str, Any] = {}
+        for k, v in raw.items():
+            try:
+                value = json.loads(v)
+                RunStatus.model_validate({k: value})
+            except ValueError:  # (json.JSONDecodeError and ValidationError are ValueErrors)
+                continue
+            fields[k] = value
+        return RunStatus.model_validate(fields)
 
     def events(self, count: int = 100, after: str = "-") -> list[dict[str, Any]]:
         start = after if after == "-" else f"({after}"

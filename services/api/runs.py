@@ -185,7 +185,7 @@ class RunService:
         if entry.get("external"):  # started outside the API: its status and its lease
             # The learner holds the run's lease while it lives (renewed every third of
             # learner.lease_s): a status that says running with no lease is a learner that died.
-            phase = status.get("phase", "starting")
+            phase = status.phase or "starting"
             held = RunLease(self.store.client, self.cfg.key_prefix, name, 1).holder() is not None
             alive = phase not in FINISHED and held
             if not alive and phase not in FINISHED:
@@ -201,7 +201,7 @@ class RunService:
                 or _pid_alive(entry.get("pid"))
                 or (now - started_at < 120 and (beat is None or beat < started_at))
             )
-            phase = status.get("phase", "starting" if alive else "registered")
+            phase = status.phase or ("starting" if alive else "registered")
             if entry.get("started") and not alive and phase not in FINISHED:
                 phase = "failed"  # the launch process is gone without a final status
         if alive and ctl.phase == "stopping" and phase not in FINISHED:
@@ -226,14 +226,14 @@ class RunService:
             name=name,
             phase=phase,
             created=entry["created"],
-            step=status.get("step"),
-            policy_version=status.get("policy_version"),
+            step=status.step,
+            policy_version=status.policy_version,
             desired_workers=ctl.workers,
             workers=workers,
             buffer=buf,
-            hparams=status.get("hparams", {}),
-            last_metrics=status.get("last"),
-            checkpoints=status.get("checkpoints", []),
+            hparams=status.hparams,
+            last_metrics=status.last,
+            checkpoints=status.checkpoints,
             pid=entry.get("pid"),
         )
 
