@@ -171,10 +171,14 @@ def test_service_with_two_vllm_workers_learns_the_one_shot_task(
             assert own.is_file(), version
             at = per_token == version
             if first or inflight[t.worker_id] == "recompute":
-                err = logprob_error(model, own, t)[at].max()
+                err = token_logprob_errors(model, own, t)[at].max()
                 assert err < TOL, (t.policy_version, version, err, t.version_spans)
             before = kept / f"v{version - 1:08d}.safetensors"
-            if first and before.is_file() and logprob_error(model, before, t)[at].max() > 10 * TOL:
+            if (
+                first
+                and before.is_file()
+                and token_logprob_errors(model, before, t)[at].max() > 10 * TOL
+            ):
                 discriminated += 1
             first = False
         checked += 1
@@ -189,7 +193,13 @@ def test_service_with_two_vllm_workers_learns_the_one_shot_task(
 
 
 @torch.no_grad()
-def logprob_error(model: torch.nn.Module, weights: Path, t: object) -> np.ndarray:
+def logprob_error(model: torch.nn.Module, weights: Path, t: object) -> float:
+    """Max over the response of |record - HF teacher-forced| log-prob under ``weights``."""
+    return float(token_logprob_errors(model, weights, t).max())
+
+
+@torch.no_grad()
+def token_logprob_errors(model: torch.nn.Module, weights: Path, t: object) -> np.ndarray:
     """Per response token, |record - HF teacher-forced| log-prob under ``weights``."""
     missing, _ = model.load_state_dict(load_file(str(weights)), strict=False)
     # (a version holds a tied weight once: lm_head.weight is the embedding, loaded with it)

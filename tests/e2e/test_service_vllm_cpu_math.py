@@ -55,6 +55,7 @@ def test_cpu_math_through_the_service_with_vllm_workers(
         f"learner.max_steps={STEPS}", "rollout.worker_prompts=4", "rollout.heartbeat_s=1",
         "rollout.weights_poll_s=0.2", "sync.broadcast=true", "sync.broadcast_host=127.0.0.1",
         "sync.timeout_s=30", "metrics.progress=false",
+        "rollout.inflight_updates=finish",  # (streaming: one version per record, checked below)
     ]  # fmt: skip
     run_dir = tmp_path / "cmv"
     stop, kept = threading.Event(), tmp_path / "kept"
