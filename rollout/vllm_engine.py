@@ -353,10 +353,6 @@ class VLLMEngine:
         """Answers submitted and not finished (vLLM counts each of a request's ``n``)."""
         return int(self.llm.llm_engine.get_num_unfinished_requests())
 
-    def abort(self, keys: Sequence[str]) -> None:
-        """Drop submitted requests (never reported)."""
-        self.llm.llm_engine.abort_request(list(keys))
-
     def pause(self) -> None:
         """Freeze the running answers between two steps (vLLM's ``keep`` pause); returns once
         every executed step's outputs are out."""
