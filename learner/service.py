@@ -413,6 +413,10 @@ class LearnerService:
                 )
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any rank's request counts
                 todo = self._control()  # the run's control keys, as rank 0 read them
+                if flags[1].item() and not todo.export and self.rank == 0:
+                    # SIGUSR1 goes on the run's one control channel too (its events show it)
+                    with contextlib.suppress(redis.RedisError):
+                        self.seen["export"] = self.control.request("export")
                 if flags[1].item() or todo.export:
                     self.export_now.clear()
                     self.export_hf(self.export_path())

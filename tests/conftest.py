@@ -94,3 +94,11 @@ def announce_weights(store, named_tensors, version: int, broadcast=None, lineage
     path = store.write(named_tensors, version)
     assert store.announce_file(version, path, lineage)
     return path
+
+
+def tensors_equal(a, b) -> bool:
+    """Two ``(name, tensor)`` collections with the same names and bit-equal tensors."""
+    import torch
+
+    da, db = dict(a), dict(b)
+    return da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da)

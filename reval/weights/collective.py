@@ -483,8 +483,3 @@ def _wait_get(store: TCPStore, key: str, timeout_s: float, stop: threading.Event
         time.sleep(0.01)
     out: bytes = store.get(key)
     return out
-
-
-def tensors_equal(a: Iterable[tuple[str, Tensor]], b: Iterable[tuple[str, Tensor]]) -> bool:
-    da, db = dict(a), dict(b)
-    return da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da)

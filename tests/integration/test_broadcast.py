@@ -24,9 +24,9 @@ from reval.weights.collective import (
     BroadcastReceiver,
     make_group,
     parse_address,
-    tensors_equal,
 )
 from rollout.engines import HFEngine, SamplingParams
+from tests.conftest import tensors_equal
 
 ROOT = Path(__file__).resolve().parents[2]
 
