@@ -130,21 +130,6 @@ def _pid_alive(pid: int | None) -> bool:
     return state != "Z"
 
 
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    # A zombie (our own child that exited) is not alive either.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return True
-    return state != "Z"
-
-
 class RunService:
     """The runs this API manages: what each endpoint returns, built from Redis."""
 
