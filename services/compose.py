@@ -125,8 +125,8 @@ RESTART = "on-failure"
 
 REVAL_ENV = {
     "REVAL__BUFFER__BACKEND": "redis",
-    "REVAL__BUFFER__REDIS_URL": REDIS_URL,
-    "REVAL__BUFFER__KEY_PREFIX": "reval:",
+    "REVAL__REDIS__URL": REDIS_URL,
+    "REVAL__REDIS__PREFIX": "reval:",
     "REVAL__NAME": "${REVAL_RUN:-run}",
     "REVAL__OUTPUT_DIR": "/runs",
     "REVAL__SYNC__WEIGHTS_DIR": "/runs/weights",

@@ -152,8 +152,8 @@ def local(service: dict, tmp: Path, redis_url: str, prefix: str, ports: dict[int
 
     cmd = [fix(str(a)) for a in service["command"]]
     env = {k: fix(str(v)) for k, v in (service.get("environment") or {}).items()}
-    if "REVAL__BUFFER__KEY_PREFIX" in env:
-        env["REVAL__BUFFER__KEY_PREFIX"] = prefix  # the test's own keys on the shared Redis
+    if "REVAL__REDIS__PREFIX" in env:
+        env["REVAL__REDIS__PREFIX"] = prefix  # the test's own keys on the shared Redis
     if cmd[:2] == ["reval", "serve"]:
         cmd += ["--key-prefix", prefix]
     cmd = [sys.executable, "-m", "services.cli", *cmd[1:]]
@@ -244,8 +244,8 @@ def test_redis_requires_the_password_everyone_uses():
     url = f"redis://:{REDIS_PASSWORD}@redis:6379/0"
     for name, svc in services.items():
         env = svc.get("environment") or {}
-        if "REVAL__BUFFER__REDIS_URL" in env:
-            assert env["REVAL__BUFFER__REDIS_URL"] == url, name
+        if "REVAL__REDIS__URL" in env:
+            assert env["REVAL__REDIS__URL"] == url, name
     assert url in services["api"]["command"]
     tool = shutil.which("docker-compose")
     assert tool is not None
