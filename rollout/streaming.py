@@ -108,8 +108,9 @@ class WeightSource(Protocol):
 
 class SubscriberSource:
     """A worker's ``WeightSubscriber`` as a ``WeightSource``: ``peek`` reads the announcement
-    (one Redis read) and, when the worker joined the learner's hub, the versions the broadcast
-    delivered; ``load`` is ``on_load`` (the worker's own load and bookkeeping)."""
+    (one Redis read) and, while a newer version is announced and the worker joined the learner's
+    hub, the versions the broadcast delivered; ``load`` is ``on_load`` (the worker's own load and
+    bookkeeping)."""
 
     def __init__(self, subscriber: WeightSubscriber, on_load: Callable[[], int | None]) -> None:
         self.subscriber = subscriber
@@ -122,8 +123,11 @@ class SubscriberSource:
             return None
         if ann is None:
             return None
-        received = self.subscriber.received if self.subscriber.backend is not None else 0
-        return (ann.lineage, ann.file_version, ann.broadcast, received)
+        sub = self.subscriber
+        behind = ann.version != sub.version or ann.lineage != sub.lineage
+        # (the broadcast's count is an RPC into the engine's workers: asked only while behind)
+        received = sub.received if behind and sub.backend is not None else 0
+        return (ann.lineage, ann.version, ann.file_version, ann.broadcast, received)
 
     def load(self) -> int | None:
         return self.on_load()

@@ -27,7 +27,7 @@ from tests.conftest import announce_weights
 
 
 class Engine:
-    """Answers of ``4 + prompt_length % 5`` tokens (``"12"`` then EOS repeated), one token per
+    """Answers of 4, 17 or 30 tokens in turn (``"12"`` repeated, then EOS), one token per
     running answer per step (1 ms a step), labelled with the version loaded."""
 
     def __init__(self, tok: object) -> None:
@@ -39,13 +39,15 @@ class Engine:
         self.receiver = LocalReceiver(self._load, "cpu")
         self.requests: dict[str, tuple[int, list[list[tuple[int, int]]]]] = {}
         self.paused = False
+        self.submitted = 0
 
     def _load(self, named: object, version: int) -> None:
         list(named)  # type: ignore[call-overload]
         self.policy_version = version
 
     def submit(self, key: str, prompt: Sequence[int], params: SamplingParams, seed: int) -> None:
-        self.requests[key] = (4 + len(prompt) % 5, [[] for _ in range(params.n)])
+        self.submitted += 1  # (lengths 4, 17, 30, ...: groups finish apart, the engine stays busy)
+        self.requests[key] = (4 + self.submitted % 3 * 13, [[] for _ in range(params.n)])
 
     def step(self) -> list[Finished]:
         assert not self.paused
