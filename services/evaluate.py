@@ -132,7 +132,7 @@ def _prepare(
     cfg: RunConfig, benchmarks: list[str], data_dir: str | None
 ) -> tuple[Any, Any, SamplingParams, list[Benchmark]]:
     """The engine, its tokenizer, the sampling of the evaluation and the loaded benchmarks."""
-    from rollout.worker import build_engine
+    from rollout.generators import build_engine
 
     unknown = [b for b in benchmarks if b not in BENCHMARKS and b != TASK]
     if unknown:

@@ -47,7 +47,7 @@ from reval.config import load_config
 from reval.policy import compute_dtype
 from rollout.engines import SamplingParams
 from rollout.vllm_engine import VLLMEngine
-from rollout.worker import tiny_checkpoint
+from rollout.generators import tiny_checkpoint
 
 out, sets, updates = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 cfg = load_config(overrides=sets, environ={})

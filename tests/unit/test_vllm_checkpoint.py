@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from reval.config import load_config
 from reval.policy import build_char_tokenizer
+from rollout.generators import engine_seed, tiny_checkpoint
 from rollout.vllm_engine import check_vllm_version
-from rollout.worker import engine_seed, tiny_checkpoint
 
 TEXTS = ["Code? ", " a b ", "3+4=", "What is 12 + 30?\n"]
 
