@@ -121,5 +121,5 @@ def test_every_k8s_redis_client_has_the_password():
     job = next(d for d in docs(ROOT / "deploy" / "k8s" / "rayjob.yaml") if d["kind"] == "RayJob")
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in head["env"]}
-    assert env["REVAL__BUFFER__REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@reval-redis:6379/0"
+    assert env["REVAL__REDIS__URL"] == "redis://:$(REDIS_PASSWORD)@reval-redis:6379/0"
     assert "redis_url" not in job["spec"]["entrypoint"]  # (a --set would win over the env)
