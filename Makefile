@@ -79,12 +79,13 @@ lint: $(STAMP)
 	$(BIN)/mypy $(LIGHT)
 	$(BIN)/python scripts/check_imports.py
 
-test: lint $(VLLM_STAMP)
+test: lint
 	scripts/ensure_redis.sh
 	scripts/ensure_tools.sh
-	@echo "== main suite: $$(date +%T) (the floors and peers venvs build beside it, niced)"
+	@echo "== main suite: $$(date +%T) (the vLLM, floors and peers venvs build beside it, niced)"
 	rm -f .venvs-build.rc
-	( nice -n 19 $(MAKE) --no-print-directory $(FLOORS_STAMP) $(PEERS_STAMP) > .venvs-build.log 2>&1; \
+	( nice -n 19 $(MAKE) --no-print-directory $(VLLM_STAMP) $(FLOORS_STAMP) $(PEERS_STAMP) \
+	  > .venvs-build.log 2>&1; \
 	  echo $$? > .venvs-build.rc ) &
 	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(BIN)/python -m pytest -q --durations=30
 	while [ ! -f .venvs-build.rc ]; do sleep 5; done; tail -3 .venvs-build.log; \
@@ -97,8 +98,8 @@ test: lint $(VLLM_STAMP)
 	$(MAKE) test-peers
 	@echo "== done: $$(date +%T)"
 
-# (The main suite leaves about half of the two cores idle, waiting on its processes; the floors
-# and peers venvs, about 6 min of pip, build in that room at the lowest priority.)
+# (The main suite leaves about half of the two cores idle, waiting on its processes; the other
+# lanes' venvs, about 10 min of pip, build in that room at the lowest priority.)
 
 # The tests marked `vllm` (real vLLM engines on the CPU), in the vLLM venv.
 test-vllm: $(VLLM_STAMP)
