@@ -104,7 +104,7 @@ test: lint
 # The tests marked `vllm` (real vLLM engines on the CPU), in the vLLM venv.
 test-vllm: $(VLLM_STAMP)
 	scripts/ensure_redis.sh
-	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(VLLM_BIN)/python -m pytest -q -m 'vllm and not gpu'
+	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(VLLM_BIN)/python -m pytest -q -m 'vllm and not gpu and not slow'
 
 # The unit suite on the lowest versions pyproject.toml allows (docs/operations.md): about 4 min
 # to build the venv without a pip cache and 1.5 min for the suite on 2 cores.
