@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from reval.config import ConfigError, load_config
@@ -79,7 +80,6 @@ def prompt(mode: str = "ok", answer: str = "7") -> Prompt:
 
 
 def test_numbers_and_dicts_are_rewards_other_values_score_0_with_a_reason():
-    np = pytest.importorskip("numpy")
     assert to_graded(0.25).score == 0.25 and to_graded(0.25).reason is None
     assert to_graded(True).score == 1.0
     assert to_graded(np.float32(0.5)).score == 0.5
