@@ -80,26 +80,10 @@ lint: $(STAMP)
 	$(BIN)/python scripts/check_imports.py
 
 test: lint
-	scripts/ensure_redis.sh
-	scripts/ensure_tools.sh
-	@echo "== main suite: $$(date +%T) (the vLLM, floors and peers venvs build beside it, niced)"
-	rm -f .venvs-build.rc
-	( nice -n 19 $(MAKE) --no-print-directory $(VLLM_STAMP) $(FLOORS_STAMP) $(PEERS_STAMP) \
-	  > .venvs-build.log 2>&1; \
-	  echo $$? > .venvs-build.rc ) &
-	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(BIN)/python -m pytest -q --durations=30
-	while [ ! -f .venvs-build.rc ]; do sleep 5; done; tail -3 .venvs-build.log; \
-	  test "$$(cat .venvs-build.rc)" = 0 || { cat .venvs-build.log; exit 1; }
-	@echo "== vLLM lane: $$(date +%T)"
-	$(MAKE) test-vllm
-	@echo "== floors lane: $$(date +%T)"
-	$(MAKE) test-floors
-	@echo "== peers lane: $$(date +%T)"
-	$(MAKE) test-peers
-	@echo "== done: $$(date +%T)"
+	MAKE="$(MAKE)" DOCKER_STATE=$(DOCKER_STATE) scripts/test_all.sh
 
-# (The main suite leaves about half of the two cores idle, waiting on its processes; the other
-# lanes' venvs, about 10 min of pip, build in that room at the lowest priority.)
+# (scripts/test_all.sh: the main suite, then the vLLM, floors, peers and Docker lanes; the later
+# lanes' venvs and images build beside the main suite at the lowest priority.)
 
 # The tests marked `vllm` (real vLLM engines on the CPU), in the vLLM venv.
 test-vllm: $(VLLM_STAMP)
