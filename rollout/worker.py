@@ -140,8 +140,15 @@ class RolloutWorker:
         self.weights = build_subscriber(cfg, self.client, self.worker_id)
         self.control = RunControl(self.client, cfg.redis.prefix, cfg.name)
         self.paused = False
+        """The run is paused (its control's phase)."""
+        self.standby = False
+        """More workers are registered than the run's desired count (``reval runs scale``) and
+        this is one of the youngest: it generates nothing, as when paused, until the count
+        grows or an older worker goes (the order: start time, then id)."""
+        self._standby_checked = 0.0
+        self.started_at = time.time()
         self.status = "starting"
-        """What the registration says: starting, running or paused."""
+        """What the registration says: starting, running, paused or standby."""
         self._waiting_since: float | None = None
         self._said_waiting = False
         self.samples_per_insert: float = cfg.samples_per_insert
@@ -171,6 +178,7 @@ class RolloutWorker:
             "pid": os.getpid(),
             "policy_version": self.engine.policy_version,
             "status": status,
+            "started": self.started_at,
             "batches": self.stats.batches,
             "trajectories": self.stats.trajectories,
             "last_seen": time.time(),
@@ -217,10 +225,11 @@ class RolloutWorker:
         if st.phase == "stopping":
             log.info("worker %s: the run is stopping: draining", self.worker_id)
             return False
-        if (st.phase == "paused") != self.paused:
-            self.paused = st.phase == "paused"
-            self._register("paused" if self.paused else "running")
-            log.info("worker %s: %s", self.worker_id, "paused" if self.paused else "resumed")
+        paused, standby = st.phase == "paused", self._surplus(st.workers)
+        if (paused, standby) != (self.paused, self.standby):
+            self.paused, self.standby = paused, standby
+            self._register("paused" if paused else "standby" if standby else "running")
+            log.info("worker %s: %s", self.worker_id, self.status)
         if st.hparams.samples_per_insert is not None:
             self.samples_per_insert = float(st.hparams.samples_per_insert)
         temperature = st.hparams.temperature
@@ -230,6 +239,31 @@ class RolloutWorker:
             self.control.record("temperature_applied", detail, step=self.engine.policy_version)
             log.info("worker %s: sampling temperature %g", self.worker_id, temperature)
         return True
+
+    @property
+    def idle(self) -> bool:
+        """Generates nothing now: the run is paused or this worker is on standby."""
+        return self.paused or self.standby
+
+    def _surplus(self, desired: int | None) -> bool:
+        """Whether this worker is beyond the run's desired count: ranked by start time among the
+        registered workers (read at most once a second), it is at ``desired`` or later. Under
+        ``reval launch`` the driver also stops the surplus workers; under compose, where each
+        worker is a service, this is how ``reval runs scale`` takes effect."""
+        if desired is None:
+            return False
+        now = time.monotonic()
+        if now - self._standby_checked < 1.0:
+            return self.standby
+        self._standby_checked = now
+        r = self.cfg.redis
+        me = (self.started_at, self.worker_id)
+        try:
+            peers = registry.workers(self.client, r.prefix, self.cfg.name)
+        except (redis.ConnectionError, redis.TimeoutError):
+            return self.standby  # Redis away: as before
+        order = {(float(w.get("started", 0.0)), str(w["id"])) for w in peers}
+        return sorted(order | {me}).index(me) >= desired
 
     def _task_setup(self, timeout_s: float = 60.0) -> None:
         """Take the learner's calibration of the task (the one-shot task); the learner shares
@@ -315,7 +349,7 @@ class RolloutWorker:
                     break
                 if not self._follow_control():
                     break
-                if self.paused:
+                if self.idle:
                     self.stop.wait(0.2)
                     continue
                 if self._load():
@@ -378,7 +412,7 @@ class RolloutWorker:
         ahead_since: list[float] = []
 
         def may_admit() -> bool:
-            if self.paused:
+            if self.idle:
                 return False
             now = time.monotonic()
             if self._ahead():

@@ -3,9 +3,10 @@ images with scripts/make_images.sh and runs this): docker-compose.cpu.yml comes 
 check passes, the demo trains through the stack, and everything is checked from outside the
 containers (the API's published port, `reval runs`, Prometheus's /api/v1/query): the learner's
 step advances, Prometheus scrapes the learner and both workers, the run pauses, resumes, takes
-a new learning rate and a new worker count, survives a killed worker container, and keeps every
-buffered trajectory across a restart of Redis and one of the API. Then `down -v`. Every
-container's log is written under the test's tmp dir, and printed when a test fails.
+a new learning rate and a new worker count (the younger worker on standby, then back), survives
+a killed worker container, and keeps every buffered trajectory across a restart of Redis and one
+of the API. Then `down -v`. Every container's log is written under the test's tmp dir, and
+printed when a test fails.
 
 The tests share one stack (a module fixture) and run in file order."""
 
@@ -227,9 +228,29 @@ def test_reval_runs_pauses_resumes_sets_and_scales(stack: Stack) -> None:
     stack.runs("set", RUN, "lr=0.0005")
     wait_for(lambda: stack.query('reval_learner_hparam{name="lr"} == 0.0005'), 90,
              "the learner's lr of 5e-4 in Prometheus")  # fmt: skip
+    # Scale to one worker: the younger service goes on standby and generates nothing (the
+    # learner goes on with the other); back to two, both run again.
     assert stack.runs("scale", RUN, "1")["action"] == "scale"
     assert stack.run_info()["desired_workers"] == 1
+
+    def statuses() -> dict[str, str]:
+        return {w["id"]: w.get("status") for w in stack.run_info().get("workers") or []}
+
+    wait_for(lambda: sorted(statuses().values()) == ["running", "standby"], 90,
+             f"one worker on standby (now {statuses()})")  # fmt: skip
+    (idle,) = [w for w, s in statuses().items() if s == "standby"]
+
+    def made(worker: str) -> int:
+        got = [w for w in stack.run_info()["workers"] if w["id"] == worker]
+        return int(got[0].get("trajectories") or 0) if got else -1
+
+    time.sleep(5)  # its answers in flight land
+    held = made(idle)
+    stack.advances(2, 180)  # the other worker feeds the learner alone
+    assert made(idle) == held
     stack.runs("scale", RUN, "2")
+    wait_for(lambda: set(statuses().values()) == {"running"}, 90, "both workers running again")
+    wait_for(lambda: made(idle) > held, 120, "the standby worker generating again")
 
 
 def worker_ids(stack: Stack) -> set[str]:

@@ -544,3 +544,61 @@ def test_pacing_never_starves_a_schedule_of_fresh_batches(tmp_path, redis_url, r
     finally:
         worker.stop.set()
         t.join(60)
+
+
+def test_scale_puts_the_youngest_workers_on_standby(tmp_path, redis_url, redis_prefix):
+    """``reval runs scale`` below the registered workers (as under compose, where each worker is
+    a service): the youngest go on standby (registered as such, generating nothing), come back
+    when the count grows, and a standby worker takes over when an older one goes."""
+    from reval.control import RunControl
+
+    cfg = worker_cfg(tmp_path, redis_url, redis_prefix)
+    publish(cfg, 0)
+    client = redis.Redis.from_url(redis_url)
+    control = RunControl(client, redis_prefix, "w")
+    old = RolloutWorker(cfg, "w-old")
+    young = RolloutWorker(cfg, "w-young")
+    assert young.started_at > old.started_at
+    old._register("running")
+    beat = threading.Thread(target=old._beat, daemon=True)  # old stays registered, idle
+    beat.start()
+    control.set_workers(1)
+    ring = ring_of(cfg)
+
+    def status() -> str:
+        raw = client.get(worker_key(redis_prefix, "w", "w-young"))
+        return "" if raw is None else str(json.loads(raw)["status"])
+
+    def wait(cond, what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    def young_records() -> int:
+        return sum(t.worker_id == "w-young" for t in ring.items())
+
+    run = threading.Thread(target=young.run, daemon=True)
+    run.start()
+    try:
+        wait(lambda: status() == "standby", "the young worker on standby")
+        time.sleep(2.0)
+        assert young_records() == 0  # on standby: nothing generated
+        assert old._follow_control() and not old.standby  # the older one is the one that works
+        control.set_workers(2)
+        wait(lambda: young_records() > 0, "the young worker generating after scale 2")
+        control.set_workers(1)
+        wait(lambda: status() == "standby", "the young worker on standby again")
+        time.sleep(1.0)  # its batch in flight lands
+        held = young_records()
+        time.sleep(2.0)
+        assert young_records() == held
+        old.stop.set()  # the older worker goes: the standby one takes its place
+        beat.join(timeout=5)
+        old._deregister()
+        wait(lambda: young_records() > held, "the standby worker taking over")
+        assert status() == "running"
+    finally:
+        young.stop.set()
+        run.join(timeout=60)
+        old.stop.set()
