@@ -2,9 +2,10 @@
 
 One engine for the module (no prefix caching, as ``rollout.inflight_updates = "keep"`` runs it;
 a small KV cache), driven by ``rollout/streaming.py``'s ``Streamer`` as the worker drives it. A
-worker dying mid-update is the load raising (``KeyboardInterrupt``) while the engine is paused:
-what the ring holds then is what a killed process leaves, since a group is inserted whole or
-not at all.
+streamer dying mid-update is here the load raising (``KeyboardInterrupt``) while the engine is
+paused: what the ring holds then is what a killed process leaves, since a group is inserted whole
+or not at all. The real thing, a worker process SIGKILLed inside an update, is
+``test_vllm_worker_kill.py``.
 Weight versions alternate between the checkpoint's own weights and all-zero weights, which
 give every token exactly the uniform log-prob ``-log V`` whatever the context: so each token's
 behaviour log-prob tells which version sampled it, and the records' per-token versions are
