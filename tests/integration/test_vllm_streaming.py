@@ -254,6 +254,35 @@ def test_finish_mode_never_mixes_versions(engine, files, tokenizer):
     assert all(sp.size == 2 for g in groups for sp in g.spans)
 
 
+def test_the_limiter_is_asked_before_every_admission(engine, tokenizer):
+    """``may_admit`` (the worker's limiter: generation ahead of the learner; pause) is asked
+    before each admission, as the lockstep worker asks before each batch. Held for the control
+    interval instead, its yes let the streamer admit group after group past the limit while the
+    earlier ones were still being graded (here: not admitted before the last one is in)."""
+    items = prompts(4, start=80)
+    left, dealt, graded = list(items), [], []
+    ahead: list[int] = []
+    """Per admission: groups dealt and not yet handed on."""
+
+    def on_group(g: Group) -> None:
+        time.sleep(0.05)  # (a slot is free before its group is graded and inserted)
+        graded.append(g)
+
+    def deal(k: int) -> list[Prompt]:
+        ahead.append(len(dealt) - len(graded))
+        out = [left.pop(0) for _ in range(min(k, len(left)))]
+        dealt.extend(out)
+        return out
+
+    params = SamplingParams(n=N, max_new_tokens=4)
+    key = f"lim-{time.monotonic_ns()}"
+    s = Streamer(engine, tokenizer, lambda _p: params, on_group, n=N, max_inflight=N,
+                 control_s=60.0, key_prefix=key)  # fmt: skip
+    s.run(deal, may_admit=lambda: len(dealt) == len(graded), max_groups=len(items))
+    assert len(graded) == len(items)
+    assert ahead == [0] * len(items), ahead
+
+
 def test_a_worker_killed_mid_update_loses_at_most_its_in_flight_answers(
     engine, files, tokenizer, redis_url, redis_prefix
 ):
