@@ -143,7 +143,7 @@ def keep_versions(weights: Path, into: Path, stop: threading.Event) -> None:
 # exact success of one published version falls and the next update restores it (0.81 -> 0.29
 # -> 0.81; 0.64 -> 0.24 -> 0.64, the update after it with a gradient norm of 1955 instead of
 # ~40; 0.08 at one version), in 5 of 6 runs, with either limiter cadence (rollout/streaming.py).
-# Not the in-flight modes: answers of 3 tokens rarely span an update (0 of 64 records), and
+# Not the in-flight modes: 3-token answers rarely span an update (0-14 of 64 records), and
 # ReVal's loss does not read the behaviour log-probs. The check is now exact (see below).
 @pytest.mark.slow
 @pytest.mark.timeout(900)
