@@ -130,13 +130,17 @@ def prompts(count: int, start: int = 0) -> list[Prompt]:
     return [Prompt(id=f"p{i}", text=f"{i}+{i}=", answer="") for i in range(start, start + count)]
 
 
+Span = tuple[float, float]
+"""A decode step's start and end (``time.monotonic()``)."""
+
+
 def run(engine: VLLMEngine, versions: Versions, mode: str, items: list[Prompt],
         announce_at: dict[int, int], tokenizer: PreTrainedTokenizerBase,
-        on_group: object = None) -> tuple[list[Group], Streamer, list[float]]:  # fmt: skip
+        on_group: object = None) -> tuple[list[Group], Streamer, list[Span]]:  # fmt: skip
     """Stream ``items`` (all of them); version v is announced after step ``announce_at[v]``.
-    Returns the groups, the streamer and each step's end time."""
+    Returns the groups, the streamer and each step's start and end times."""
     groups: list[Group] = []
-    ends: list[float] = []
+    steps: list[Span] = []
     s = Streamer(engine, tokenizer, lambda _p: SamplingParams(n=N, max_new_tokens=MAX_TOKENS),
                  on_group or groups.append, n=N, max_inflight=4 * N, inflight=mode,  # type: ignore[arg-type]
                  weights=versions, key_prefix=f"{mode}-{time.monotonic_ns()}")  # fmt: skip
@@ -144,10 +148,11 @@ def run(engine: VLLMEngine, versions: Versions, mode: str, items: list[Prompt],
 
     def step() -> list[Finished]:
         for v, at in announce_at.items():
-            if len(ends) == at:
+            if len(steps) == at:
                 versions.announce(v)
+        start = time.monotonic()
         done = original()
-        ends.append(time.monotonic())
+        steps.append((start, time.monotonic()))
         return done
 
     engine.step = step  # type: ignore[method-assign]
@@ -156,7 +161,7 @@ def run(engine: VLLMEngine, versions: Versions, mode: str, items: list[Prompt],
         s.run(lambda k: [left.pop(0) for _ in range(min(k, len(left)))], max_groups=len(items))
     finally:
         del engine.step
-    return groups, s, ends
+    return groups, s, steps
 
 
 def uniform(tokenizer: PreTrainedTokenizerBase) -> float:
@@ -184,7 +189,7 @@ def test_keep_versions_every_token_and_a_version_reaches_the_sampler_at_once(
 ):
     versions = Versions(engine, files)
     items = prompts(8)
-    groups, s, ends = run(engine, versions, "keep", items, {1: 5, 2: 12}, tokenizer)
+    groups, s, steps = run(engine, versions, "keep", items, {1: 5, 2: 12}, tokenizer)
     check_complete(groups, items, engine.eos_id)
     assert [v for v, *_ in versions.loads] == [1, 2]
     assert all(running > 0 for *_, running in versions.loads)  # in flight, not between batches
@@ -205,13 +210,15 @@ def test_keep_versions_every_token_and_a_version_reaches_the_sampler_at_once(
             other += int((~zero).sum())
     assert spanned >= 4  # answers that spanned an update
     assert other > 100 and near_uniform < 0.02 * other
-    # Announcement -> first token sampled under it: one load plus at most the step in progress
-    # at the announcement and the first step after the load.
-    step_most = max(np.diff(ends))
+    # Announcement -> the sampler running under it (the first decode step after the load
+    # starts): one load plus at most the one step in progress at the announcement; the first
+    # token sampled under it lands at the end of that step.
+    step_most = max(end - start for start, end in steps)
     for v, t0, t1, _ in versions.loads:
-        first = min(e for e in ends if e > t1)
-        delay = first - versions.announced_at[v]
-        assert delay <= (t1 - t0) + 2 * step_most + 0.05, (v, delay, t1 - t0, step_most)
+        start, end = min((st, e) for st, e in steps if st >= t1)
+        announced = versions.announced_at[v]
+        assert start - announced <= (t1 - t0) + step_most + 0.05, (v, start - announced, t1 - t0)
+        assert end - announced <= (t1 - t0) + 2 * step_most + 0.05, (v, end - announced, t1 - t0)
     assert len(s.stats.update_delays) == 2
 
 
