@@ -678,6 +678,7 @@ def rank_main(rank, port, url, prefix, out):
         same = got.keys() == full.keys() and all(torch.equal(got[k], full[k]) for k in full)
         print("same" if same else "different", flush=True)
     sender.close()
+    dist.barrier()  # both ranks tear gloo down together (rank 1 alone aborted once, loaded CI)
     dist.destroy_process_group()
 
 if __name__ == "__main__":
