@@ -144,11 +144,14 @@ def keep_versions(weights: Path, into: Path, stop: threading.Event) -> None:
 # -> 0.81; 0.64 -> 0.24 -> 0.64, the update after it with a gradient norm of 1955 instead of
 # ~40; 0.08 at one version), in 5 of 6 runs, with either limiter cadence (rollout/streaming.py).
 # Not the in-flight modes: 3-token answers rarely span an update (0-14 of 64 records), and
-# ReVal's loss does not read the behaviour log-probs. Not streaming either: one run each with
-# the same settings, lockstep vLLM workers (rollout.streaming=false) dipped too (v67 0.71, v68
-# 0.33, v69 0.71; 0.62 and 0.59 at v65 and v79), HF workers (REVAL_E2E_ENGINE=hf) not once in
-# 120 versions (0.40 -> 0.98, smooth). What in the vLLM workers' data sets off those updates
-# is open. The check is now exact (see below).
+# ReVal's loss does not read the behaviour log-probs. Not streaming nor vLLM either: lockstep
+# vLLM workers (rollout.streaming=false) dipped too (v67 0.71, v68 0.33, v69 0.71), and so do HF
+# workers (REVAL_E2E_ENGINE=hf: one run smooth 0.40 -> 0.98, one dipped at v109 0.60 between 0.96
+# and 0.90, one collapsed for good at v94 after dips at v78 and v82-86). It is the learner:
+# replaying the batches it trained on through Learner.update reproduces every version bit for
+# bit, and a dip is one ordinary Adam step (|dw| ~ lr) along a direction that flips P(EOS after
+# one digit) from 0.01 to 0.54 (layer-0 q/k); the records around it are ordinary. The check is
+# now exact (see below); it still fails a run that collapses.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_service_with_two_vllm_workers_learns_the_one_shot_task(
