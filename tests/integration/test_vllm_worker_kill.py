@@ -64,6 +64,16 @@ def settings(tmp_path: Path, url: str, prefix: str) -> list[str]:
     ]  # fmt: skip
 
 
+def waits_on_a_pipe(proc: Path) -> bool:
+    """Whether a thread of the process at ``proc`` (``/proc/<pid>``) is blocked opening a named
+    pipe that has no writer (Linux: the open waits in ``wait_for_partner``)."""
+    for wchan in glob(str(proc / "task" / "*" / "wchan")):
+        with contextlib.suppress(OSError):
+            if Path(wchan).read_text().strip() == "wait_for_partner":
+                return True
+    return False
+
+
 def session_waits_on_a_pipe(session: int) -> bool:
     """Whether a thread of a process in ``session`` is blocked opening a named pipe that has no
     writer (Linux: the open waits in ``wait_for_partner``)."""
@@ -72,10 +82,8 @@ def session_waits_on_a_pipe(session: int) -> bool:
             text = Path(stat).read_text()
             if int(text.rsplit(")", 1)[1].split()[3]) != session:  # (state ppid pgrp session)
                 continue
-            for wchan in glob(str(Path(stat).parent / "task" / "*" / "wchan")):
-                with contextlib.suppress(OSError):
-                    if Path(wchan).read_text().strip() == "wait_for_partner":
-                        return True
+            if waits_on_a_pipe(Path(stat).parent):
+                return True
     return False
 
 
@@ -88,10 +96,8 @@ def kernel_reports_pipe_waits(tmp_path: Path) -> bool:
     try:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            for wchan in glob(f"/proc/{os.getpid()}/task/*/wchan"):
-                with contextlib.suppress(OSError):
-                    if Path(wchan).read_text().strip() == "wait_for_partner":
-                        return True
+            if waits_on_a_pipe(Path(f"/proc/{os.getpid()}")):
+                return True
             time.sleep(0.01)
         return False
     finally:
