@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -154,9 +153,17 @@ def http_reward(
     or a dict with ``score``) per answer, in order. ``token_env``: the environment variable
     holding a bearer token (a secret stays out of the config, which is written to the run
     directory). An HTTP error or a timeout fails the chunk: each of its answers scores 0,
-    counted as an ``error``."""
+    counted as an ``error``. What it may reach and send is guarded (``rollout/http_guard.py``):
+    http(s) only, no private, loopback or link-local address unless the operator lists it
+    (``REVAL_HTTP_REWARD_HOSTS``), no redirect followed, ``token_env`` starting with
+    ``REVAL_REWARD_`` or listed (``REVAL_HTTP_REWARD_TOKEN_ENVS``), an answer of at most 16 MiB,
+    and ``timeout_s`` for the whole request."""
+    from rollout.http_guard import check_target, check_token_env, post_json
+
+    check_target(url)  # (before the token is read: a refused URL never sees it)
     sent = {"Content-Type": "application/json", **dict(headers or {})}
     if token_env is not None:
+        check_token_env(token_env)
         token = os.environ.get(token_env)
         if not token:
             raise ValueError(f"http_reward: the environment variable {token_env} is not set")
@@ -164,9 +171,7 @@ def http_reward(
     body = json.dumps(
         {"prompts": list(prompts), "completions": list(completions), "metadata": list(metadata)}
     ).encode()
-    request = urllib.request.Request(url, data=body, method="POST", headers=sent)
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        answer = json.loads(response.read())
+    answer = json.loads(post_json(url, body, sent, float(timeout_s)))
     rewards = answer.get("rewards") if isinstance(answer, dict) else None
     if not isinstance(rewards, list):
         raise ValueError(f"{url} answered without a 'rewards' list: {str(answer)[:200]}")

@@ -107,9 +107,11 @@ def reward_server():
 
 
 def test_http_reward_posts_each_chunk_and_reads_one_reward_per_answer(reward_server, monkeypatch):
-    # The token from the environment (the grading processes inherit it), not from the config.
-    monkeypatch.setenv("MY_REWARD_TOKEN", "t0k")
-    args = {"url": reward_server, "token_env": "MY_REWARD_TOKEN", "timeout_s": 5}
+    # The token from the environment (the grading processes inherit it), not from the config;
+    # the operator lists the loopback server (refused by default: rollout/http_guard.py).
+    monkeypatch.setenv("REVAL_REWARD_TOKEN", "t0k")
+    monkeypatch.setenv("REVAL_HTTP_REWARD_HOSTS", "127.0.0.1")
+    args = {"url": reward_server, "token_env": "REVAL_REWARD_TOKEN", "timeout_s": 5}
     grader = RewardFunction("rollout.graders:http_reward", args)
     assert grader.batched  # one POST per chunk of answers
     rows = [Prompt(str(i), f"q{i}", "", raw=f"q{i}", metadata={"i": i}) for i in range(5)]
