@@ -13,16 +13,13 @@ grading processes of ``rollout/verify.py``, through ``rollout/rewards.py``'s ``R
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from rollout import sandbox
 
 
 def math_boxed(
@@ -63,22 +60,129 @@ def regex_format(
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
-_HARNESS = """
-import json, sys
-source, tests = json.loads(sys.stdin.read())
-passed, ran = 0, 1
-namespace = {"__name__": "solution"}
+# The solution's process (model code): its first frame is the limits, its second the source.
+# After the source has run, it answers frames ``(name, args, kwargs)`` with ``("ok", value)``,
+# ``("raise", exception name)`` or ``("bad", type name)``; all of it is hostile to the harness.
+_SOLUTION = sandbox.CONFINE + r"""
+import ast, os, struct, sys
+rx, tx = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)
+os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+def _frame():
+    head = rx.read(4)
+    return None if len(head) < 4 else rx.read(struct.unpack(">I", head)[0]).decode()
+def _send(value):
+    data = repr(value).encode()
+    tx.write(struct.pack(">I", len(data)) + data)
+    tx.flush()
+PLAIN = (int, float, bool, str, bytes, complex, type(None))
+def _plain(v, depth=0):
+    if depth > 50:
+        return False
+    if type(v) in PLAIN:
+        return True
+    if type(v) in (list, tuple, set):
+        return all(_plain(x, depth + 1) for x in v)
+    if type(v) is dict:
+        return all(_plain(k, depth + 1) and _plain(x, depth + 1) for k, x in v.items())
+    return False
+limits = ast.literal_eval(_frame())
+source = _frame()
+_confine(*limits)
+del limits
+ns = {"__name__": "solution", "__builtins__": __builtins__}
 try:
-    exec(compile(source, "solution.py", "exec"), namespace)
-except BaseException:
-    tests, ran = [], 0
-for test in tests:
+    exec(compile(source, "solution.py", "exec"), ns)
+except BaseException as err:
+    _send(("error", type(err).__name__))
+    os._exit(0)
+_send(("ok", {k: (None if callable(v) else v) for k, v in list(ns.items())
+              if not k.startswith("__") and (callable(v) or _plain(v))}))
+while (req := _frame()) is not None:
+    name, args, kwargs = ast.literal_eval(req)
     try:
-        exec(compile(test, "test.py", "exec"), dict(namespace))
-        passed += 1
+        value = ns[name](*args, **kwargs)
+    except BaseException as err:
+        _send(("raise", type(err).__name__))
+        continue
+    _send(("ok", value) if _plain(value) else ("bad", type(value).__name__))
+"""
+
+# The harness (trusted; pid 1 of the sandbox): runs each test in its own process, with the
+# solution's functions as proxies that return only plain values parsed by ``ast.literal_eval``.
+_HARNESS = sandbox.HIDE + r"""
+_hide()
+import ast, json, os, struct, subprocess, sys
+nonce, fd = sys.stdin.buffer.readline().split()
+job = json.loads(sys.stdin.buffer.read())
+report = os.fdopen(int(fd), "w", buffering=1)
+def say(*words):
+    report.write(" ".join([nonce.decode(), *map(str, words)]) + "\n")
+MAX_FRAME = 1 << 20
+class Solution:
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-X", "utf8", "-c", job["boot"]],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={})
+        self.send(repr(tuple(job["limits"])))
+        self.send(job["source"])
+        kind, self.names = self.recv()
+        if kind != "ok" or type(self.names) is not dict:
+            raise RuntimeError("the solution did not run")
+    def send(self, text):
+        data = text.encode()
+        self.proc.stdin.write(struct.pack(">I", len(data)) + data)
+        self.proc.stdin.flush()
+    def recv(self):
+        head = self.proc.stdout.read(4)
+        if len(head) < 4:
+            raise RuntimeError("the solution's process ended")
+        n = struct.unpack(">I", head)[0]
+        if n > MAX_FRAME:
+            raise RuntimeError("answer too long")
+        data = self.proc.stdout.read(n)
+        if len(data) < n:
+            raise RuntimeError("the solution's process ended")
+        got = ast.literal_eval(data.decode())
+        if type(got) is not tuple or len(got) != 2:
+            raise RuntimeError("not an answer")
+        return got
+    def call(self, name, args, kwargs):
+        request = repr((name, args, kwargs))
+        if ast.literal_eval(request) != (name, args, kwargs):
+            raise TypeError("only plain values can be passed to the solution")
+        self.send(request)
+        kind, value = self.recv()
+        if kind != "ok":
+            raise RuntimeError(f"{kind}: {value}")
+        return value
+    def namespace(self):
+        ns = {}
+        for name, value in self.names.items():
+            if type(name) is not str:
+                continue
+            if value is None:
+                ns[name] = lambda *a, _n=name, **k: self.call(_n, a, k)
+            else:
+                ns[name] = ast.literal_eval(repr(value))  # (a fresh copy per test)
+        return ns
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+solution = None
+for i, test in enumerate(job["tests"]):
+    try:
+        if solution is None or solution.proc.poll() is not None:
+            if solution is not None:
+                solution.close()
+            solution = None
+            solution = Solution()
+            if i == 0:
+                say("compiled", 1)
+        exec(compile(test, "test.py", "exec"), solution.namespace())
+        say("test", i, 1)
     except BaseException:
-        pass
-print("REVAL_PASSED", passed, ran)
+        say("test", i, 0)
+say("end")
 """
 
 
@@ -87,56 +191,69 @@ def code_tests(
     completion: str,
     metadata: Mapping[str, Any],
     tests_field: str = "tests",
-    timeout_s: float = 5.0,
+    timeout_s: float = 3.0,
     memory_mb: int = 512,
 ) -> dict[str, float]:
     """The share of ``metadata[tests_field]`` (a string of test code, or a list of them, each
     run on its own) that passes against the completion's code (its last fenced ```python
-    block, else all of it). The code runs in a fresh ``python -I`` in an empty temporary
-    directory, with ``resource.setrlimit`` limits: ``timeout_s`` of CPU time (and of wall time),
-    ``memory_mb`` of address space, no file over 1 MB, no child processes; stdin carries the
-    code, nothing else is inherited but ``PATH``. Components: ``passed`` (tests passed),
-    ``compiled`` (1 when the code ran to its end)."""
+    block, else all of it), run through the sandbox seam (``rollout/sandbox.py``: bubblewrap,
+    or the operator's explicit ``rollout.sandbox = "unsafe-none"``). Components: ``passed``
+    (tests passed), ``compiled`` (1 when the code ran to its end), and ``unsafe`` (1, only when
+    it ran with no sandbox). ``timeout_s`` is the whole answer's deadline (the sandbox's start
+    included; its CPU limit too) and must be at most ``rollout.verifier_timeout_s`` - 1 s
+    (checked when grading starts); ``memory_mb`` the address space of the code's process.
+
+    How a score cannot be forged: the code runs in a process of its own, which may not start
+    others; the tests run in the harness's process, which the code cannot write to or read
+    (non-dumpable, pid 1 of the sandbox); the verdicts go from the harness to the grader over a
+    pipe only the harness holds, each line keyed with a nonce; the code's stdout is never read.
+    A test sees the code's top-level names: a function as a proxy that calls it in the code's
+    process and returns its value only when it is plain data (``int float bool str bytes
+    complex None`` and ``list tuple set dict`` of them: exact types, copied by ``repr`` and
+    ``ast.literal_eval``), and plain values as copies. So an object whose ``__eq__`` is always
+    true never reaches a test, and a test's expected values never reach the code.
+
+    Its limits: a function's other return values (objects of the code's classes, generators,
+    functions, NaN) fail the test; arguments must be plain data (no callables), passed by copy
+    (a test that checks a list mutated in place fails); a test can call the code's functions
+    but not use its classes or modules. The code's process is restarted when it dies (a test
+    after the one that killed it runs), and every test shares the one deadline: tests that
+    reported before it count."""
     tests = metadata[tests_field]
     tests = [tests] if isinstance(tests, str) else [str(t) for t in tests]
+    outcome = run_tests(completion, tests, timeout_s, memory_mb)
+    passed = {int(w[1]) for w in (ln.split() for ln in outcome.report)
+              if len(w) == 3 and w[0] == "test" and w[2] == "1" and w[1].isdigit()
+              and int(w[1]) < len(tests)}  # fmt: skip
+    graded = {"score": len(passed) / len(tests) if tests else 0.0, "passed": float(len(passed)),
+              "compiled": 1.0 if "compiled 1" in outcome.report else 0.0}  # fmt: skip
+    if outcome.unsafe:
+        graded["unsafe"] = 1.0
+    return graded
+
+
+def run_tests(completion: str, tests: list[str], timeout_s: float = 3.0,
+              memory_mb: int = 512) -> sandbox.Outcome:  # fmt: skip
+    """``code_tests``' run: the completion's code against ``tests`` in the sandbox; the report
+    lines are ``compiled 1``, ``test I 0|1`` and ``end``."""
     blocks = _FENCE.findall(completion)
     source = blocks[-1] if blocks else completion
+    limits = sandbox.Limits(wall_s=timeout_s, cpu_s=max(1, int(timeout_s + 0.999)),
+                            memory_mb=memory_mb)  # fmt: skip
+    caps = [limits.cpu_s, limits.memory_mb, limits.file_mb, limits.open_files]
+    job = {"boot": _SOLUTION, "source": source, "tests": tests, "limits": caps}
+    return sandbox.run(_HARNESS, json.dumps(job).encode(), limits)
 
-    def limits() -> None:  # (in the child, before it runs Python)
-        import resource
 
-        cpu = max(1, int(timeout_s + 0.999))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        memory = memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
-        if os.getuid():  # (root ignores it)
-            resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def _preflight(args: Mapping[str, Any], pool_timeout_s: float, sandbox_mode: str) -> None:
+    """When grading starts (``RewardFunction``): the sandbox can run (else one line,
+    ``sandbox.SandboxUnavailable``), and ``timeout_s`` leaves the pool's deadline its margin."""
+    timeout_s = float(args.get("timeout_s", 3.0))
+    sandbox.check_deadline(timeout_s, pool_timeout_s, "task.reward_args.timeout_s")
+    sandbox.preflight(sandbox_mode)
 
-    with tempfile.TemporaryDirectory(prefix="reval-code-") as tmp:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _HARNESS],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            cwd=tmp,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-            preexec_fn=limits,
-            start_new_session=True,  # (its own process group: killed whole on timeout)
-        )
-        try:
-            stdout, _ = proc.communicate(json.dumps([source, tests]), timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            return {"score": 0.0, "passed": 0.0, "compiled": 0.0}
-    found = re.search(r"^REVAL_PASSED (\d+) ([01])$", stdout, re.MULTILINE)
-    passed, ran = (int(found.group(1)), float(found.group(2))) if found else (0, 0.0)
-    return {"score": passed / len(tests) if tests else 0.0, "passed": float(passed),
-            "compiled": ran}  # fmt: skip
+
+code_tests.preflight = _preflight  # type: ignore[attr-defined]
 
 
 def http_reward(
