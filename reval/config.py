@@ -18,7 +18,7 @@ import types
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -1022,17 +1022,67 @@ class ApiConfig(BaseModel):
     """Run directories of the runs it starts. A POSTed config's ``output_dir`` and
     ``sync.weights_dir`` must lie under it (a run writes, and resumes by unpickling, there)."""
     models_dir: str | None = None
-    """Local model checkpoints and datasets a POSTed config may name (``model.name_or_path``,
-    ``task.dataset``): directories and files under this; anything else must be a hub id
-    (``NAME`` or ``ORG/NAME``). None: hub ids only."""
+    """The directory a POSTed config may read local files from: model checkpoints
+    (``model.name_or_path``), datasets (``task.dataset``) and reward or environment files
+    (``task.reward``/``task.environment`` = ``file.py:name``); anything else must be a hub id
+    (``NAME`` or ``ORG/NAME``). None: hub ids only. ``--models-dir``,
+    ``REVAL_API__MODELS_DIR``."""
+    plugins: list[str] = Field(default_factory=list)
+    """Installed code a POSTed ``task.reward`` or ``task.environment`` may name by module,
+    beyond the built-in graders (``rollout.graders:*``) and environments: ``pkg.mod:name``, or
+    ``pkg.mod:*`` for every public name the module defines. Nothing else is imported over REST
+    (``reval train`` and the CLI take any import path). ``--plugin`` (repeatable),
+    ``REVAL_API__PLUGINS`` (comma-separated)."""
     token_env: str = "REVAL_API_TOKEN"
     """Environment variable holding the bearer token of mutating requests."""
     dev: bool = False
     """Development mode: allows an empty or default token (never in production)."""
-    auth_reads: bool = False
-    """Also require the token on read endpoints."""
+    auth_reads: bool | None = None
+    """Require the token on read endpoints (``GET /v1/runs...``, ``/docs``,
+    ``/openapi.json``). None: yes whenever ``host`` is not a loopback address."""
+    open_metrics: bool | None = None
+    """``/metrics`` without the token. None: open on a loopback ``host``, token-guarded
+    otherwise (a Prometheus in another container needs ``--open-metrics``, or the token)."""
+    pass_env: list[str] = Field(default_factory=list)
+    """Environment variables the runs it launches inherit beyond the built-in list
+    (``services/api/runs.py: run_env``); ``NAME`` or ``PREFIX*``. Its own token never."""
     max_body_bytes: int = Field(1 << 20, ge=1024)
     """Largest request body accepted (413 beyond)."""
     ray_address: str | None = None
     """Where launched runs go (``RAY_ADDRESS`` of their ``reval launch``); None: a local Ray
     per run."""
+
+    ENV: ClassVar[str] = "REVAL_API__"
+    """``REVAL_API__<FIELD>`` sets a field (``ApiConfig.load``); lists are comma-separated."""
+
+    def loopback(self) -> bool:
+        """Whether ``host`` is a loopback address (only this machine can connect)."""
+        import ipaddress
+
+        if self.host.lower() == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False  # a host name: it may resolve to anything
+
+    def reads_need_token(self) -> bool:
+        return self.auth_reads if self.auth_reads is not None else not self.loopback()
+
+    def metrics_need_token(self) -> bool:
+        return not self.open_metrics if self.open_metrics is not None else not self.loopback()
+
+    @classmethod
+    def load(cls, given: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ApiConfig:
+        """The config of ``reval serve``: ``given`` (its flags; None: not given) over
+        ``REVAL_API__<FIELD>`` variables over the defaults. Raises pydantic's ValidationError."""
+        env = os.environ if env is None else env
+        fields: dict[str, Any] = {}
+        for name, field in cls.model_fields.items():
+            raw = env.get(cls.ENV + name.upper())
+            if raw is None:
+                continue
+            listed = get_origin(field.annotation) is list
+            fields[name] = [p.strip() for p in raw.split(",") if p.strip()] if listed else raw
+        fields.update({k: v for k, v in given.items() if v is not None})
+        return cls(**fields)

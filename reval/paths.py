@@ -14,6 +14,7 @@ cannot be called with the task's arguments.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import os
@@ -197,6 +198,125 @@ def check_environment(cfg: RunConfig) -> None:
     spec = cfg.task.environment
     if spec is not None and spec not in BUILTIN_ENVIRONMENTS:
         load_callable(spec, "task.environment")
+
+
+ISOLATED_CHECK_S = 30.0
+"""How long the REST API's throw-away import check may take (``check_isolated``)."""
+
+
+def check_isolated(
+    spec: str,
+    field: str,
+    reward_args: Mapping[str, Any] | None = None,
+    own_names_only: bool = False,
+    timeout_s: float = ISOLATED_CHECK_S,
+) -> None:
+    """``check_reward`` (with ``reward_args``) or, without them, ``load_callable`` of ``spec``,
+    run in a throw-away Python process: an environment of ``PATH``, ``PYTHONPATH`` (the project)
+    and a locale only (no secret), no input or output, ``timeout_s`` at most, killed with its
+    process group after. ``own_names_only``: the name must be defined by its module (a
+    ``module:*`` listing), not imported into it. Raises ``PluginRefused`` with one generic line
+    that never repeats what the import raised or printed (no probe of what is installed)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from reval.plugins import PluginRefused, split_spec
+
+    module, name = split_spec(spec)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": root,
+           "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+    read_fd, write_fd = os.pipe()
+    request = {"spec": spec, "field": field, "args": reward_args, "own": own_names_only,
+               "fd": write_fd}  # fmt: skip
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from reval.paths import _isolated_check; _isolated_check()"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=env, pass_fds=(write_fd,), start_new_session=True,
+        )  # fmt: skip
+    finally:
+        os.close(write_fd)
+    raw = b""
+    try:
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):  # (a child that died at once: "crashed" below)
+            proc.stdin.write(json.dumps(request).encode())
+            proc.stdin.close()
+        proc.wait(timeout_s)
+        os.set_blocking(read_fd, False)  # (a descendant may hold the pipe open: never wait)
+        with contextlib.suppress(OSError):
+            raw = os.read(read_fd, 4096)
+    except subprocess.TimeoutExpired:
+        raise PluginRefused(
+            f"{field}: {spec!r} could not be checked within {timeout_s:g} s"
+        ) from None
+    finally:
+        os.close(read_fd)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (whatever it started goes with it)
+        proc.wait()
+    try:
+        why, detail = json.loads(raw)
+    except ValueError:
+        why, detail = "crashed", ""
+    messages = {
+        "ok": None,
+        "import": f"{field}: {module!r} cannot be imported here",
+        "missing": f"{field}: {module!r} has no {name!r}",
+        "foreign": f"{field}: {name!r} is not defined by {module!r} itself",
+        "uncallable": f"{field}: {spec!r} is not callable",
+        "signature": f"{field}: {spec} cannot be called as f(prompt, completion, metadata, "
+        f"**task.reward_args): {detail}",
+        "crashed": f"{field}: {spec!r} could not be checked (the check exited)",
+    }
+    message = messages.get(why, messages["crashed"])
+    if message is not None:
+        raise PluginRefused(message)
+
+
+def _isolated_check() -> None:
+    """The child of ``check_isolated``: its request on stdin, one ``[why, detail]`` JSON to
+    the descriptor it names (where the imported code does not write by accident), where
+    ``detail`` is ours, never the imported code's text."""
+    import importlib
+    import json
+    import sys
+
+    from reval.plugins import split_spec
+
+    request = json.loads(sys.stdin.read())
+    spec, field, args = request["spec"], request["field"], request["args"]
+    fd = int(request["fd"])
+    os.set_inheritable(fd, False)
+    module_name, name = split_spec(spec)
+    why, detail = "ok", ""
+    try:
+        if module_name.endswith(".py"):
+            from reval.plugins import _import_file
+
+            module = _import_file(Path(module_name).expanduser())
+        else:
+            module = importlib.import_module(module_name)
+    except BaseException:  # (anything: its text stays here)
+        why = "import"
+    else:
+        target = getattr(module, name, None) if hasattr(module, name) else None
+        if not hasattr(module, name):
+            why = "missing"
+        elif request["own"] and getattr(target, "__module__", None) != module.__name__:
+            why = "foreign"
+        elif not callable(target):
+            why = "uncallable"
+        elif args is not None:
+            try:
+                check_reward(spec, args, field)
+            except RewardNotFound as err:
+                why, detail = "signature", str(err).rpartition("): ")[2][:200]
+    os.write(fd, json.dumps([why, detail]).encode())
+    os._exit(0)  # (no atexit of the imported code runs)
 
 
 def check_run_paths(

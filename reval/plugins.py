@@ -75,3 +75,30 @@ def load_callable(spec: str, field: str) -> Any:
     if not callable(target):
         raise ValueError(f"{field}: {spec!r} is a {type(target).__name__}, not callable")
     return target
+
+
+BUILTIN_PLUGINS = ("rollout.graders:*",)
+"""What a REST client may always name by module (``task.reward``): the built-in graders. The
+API's ``api.plugins`` adds to it; ``reval train`` and the CLI need no list."""
+
+
+class PluginRefused(ValueError):
+    """A spec the REST API will not import, in one line that repeats nothing the import said."""
+
+
+def listed(spec: str, allowlist: tuple[str, ...] | list[str]) -> str | None:
+    """How ``spec`` (``module:name``) is on ``allowlist`` (entries ``module:name`` or
+    ``module:*``): ``"name"`` (named), ``"module"`` (by ``*``: a public name the module must
+    define itself, checked when imported), or None (not on it; also for a dotted or private
+    name under ``*``). Never imports anything."""
+    module, name = split_spec(spec)
+    found = None
+    for entry in allowlist:
+        m, _, n = entry.strip().rpartition(":")
+        if m != module:
+            continue
+        if n == name:
+            return "name"
+        if n == "*" and "." not in name and not name.startswith("_"):
+            found = "module"
+    return found

@@ -211,7 +211,26 @@ def _add_serve(sub: Any) -> None:
     sv.add_argument("--key-prefix", help="key prefix of the runs it manages (default reval:)")
     sv.add_argument("--output-dir", help="run directories of the runs it starts")
     sv.add_argument("--ray-address", help="RAY_ADDRESS for the runs it launches")
-    sv.add_argument("--auth-reads", action="store_true", help="reads need the token too")
+    sv.add_argument("--models-dir", help="the directory POSTed configs may read local models, "
+                    "datasets and reward files from (REVAL_API__MODELS_DIR)")  # fmt: skip
+    sv.add_argument("--plugin", action="append", dest="plugins", metavar="MODULE:NAME",
+                    help="installed code a POSTed task.reward/environment may name, beyond the "
+                    "built-ins (MODULE:* for all; repeatable; REVAL_API__PLUGINS)")  # fmt: skip
+    sv.add_argument("--pass-env", action="append", metavar="NAME",
+                    help="an environment variable the launched runs inherit beyond the built-in "
+                    "list (NAME or PREFIX*; repeatable; REVAL_API__PASS_ENV)")  # fmt: skip
+    sv.add_argument(
+        "--auth-reads",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reads need the token too (default: yes unless --host is loopback)",
+    )
+    sv.add_argument(
+        "--open-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="/metrics without the token (default: only on a loopback --host)",
+    )
     sv.add_argument("--dev", action="store_true", help="allow an empty/default token (dev only)")
     sv.add_argument("--access-log", action="store_true", help="log a line per request")
     sv.add_argument(
@@ -418,13 +437,15 @@ def _serve(args: argparse.Namespace) -> int:
         "key_prefix": args.key_prefix,
         "output_dir": args.output_dir,
         "ray_address": args.ray_address,
+        "models_dir": args.models_dir,
+        "plugins": args.plugins,
+        "pass_env": args.pass_env,
+        "auth_reads": args.auth_reads,
+        "open_metrics": args.open_metrics,
+        "dev": args.dev or None,
     }
     try:
-        cfg = ApiConfig(
-            **{k: v for k, v in fields.items() if v is not None},
-            dev=args.dev,
-            auth_reads=args.auth_reads,
-        )
+        cfg = ApiConfig.load(fields)  # (the flags over REVAL_API__<FIELD> variables)
     except ValidationError as err:
         print(f"reval serve: {err}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from reval.config import ApiConfig
-from services.api.routes import health_router, runs_router
+from services.api.routes import docs_router, health_router, runs_router
 from services.api.runs import Launcher, RunService, Store
 from services.api.security import Auth, BodyLimit
 
@@ -40,11 +40,13 @@ def create_app(
     latency = Histogram(
         "reval_api_request_seconds", "API request latency", ["route"], registry=metrics
     )
+    guarded = cfg.reads_need_token()  # (then /docs and /openapi.json need the token too)
     app = FastAPI(
         title="reval control plane",
         version=API_VERSION,
         description="Create, watch and steer ReVal runs: pause, resume, stop, checkpoint, "
         "export, scale rollout workers, change hyperparameters live.",
+        **({"docs_url": None, "redoc_url": None, "openapi_url": None} if guarded else {}),
     )
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
     app.state.store = store
@@ -69,8 +71,11 @@ def create_app(
         latency.labels(path).observe(time.perf_counter() - t0)
         return response
 
-    app.include_router(health_router(service, metrics))
-    app.include_router(runs_router(service, Auth(cfg)))
+    auth = Auth(cfg)
+    app.include_router(health_router(service, metrics, auth))
+    app.include_router(runs_router(service, auth))
+    if guarded:
+        app.include_router(docs_router(app, auth))
     return app
 
 

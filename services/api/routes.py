@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import APIRouter, Depends, FastAPI, Query
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 
 from reval.control import LiveHParams
@@ -15,8 +16,9 @@ from services.api.runs import RunService
 from services.api.security import Auth
 
 
-def health_router(service: RunService, metrics: CollectorRegistry) -> APIRouter:
-    """``/healthz`` (the process answers), ``/readyz`` (and its Redis does), ``/metrics``."""
+def health_router(service: RunService, metrics: CollectorRegistry, auth: Auth) -> APIRouter:
+    """``/healthz`` (the process answers), ``/readyz`` (and its Redis does): open;
+    ``/metrics``: open where ``api.open_metrics`` says (``Auth.metrics``)."""
     router = APIRouter(tags=["health"])
 
     @router.get("/healthz", response_model=Health)
@@ -28,7 +30,8 @@ def health_router(service: RunService, metrics: CollectorRegistry) -> APIRouter:
         ready = service.ready()
         return ready if ready.ok else JSONResponse(ready.model_dump(), 503)
 
-    @router.get("/metrics", response_class=PlainTextResponse)
+    @router.get("/metrics", response_class=PlainTextResponse,
+                dependencies=[Depends(auth.metrics)])  # fmt: skip
     def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics).decode(),
                                  media_type="text/plain; version=0.0.4")  # fmt: skip
@@ -36,9 +39,25 @@ def health_router(service: RunService, metrics: CollectorRegistry) -> APIRouter:
     return router
 
 
+def docs_router(app: FastAPI, auth: Auth) -> APIRouter:
+    """``/openapi.json`` and ``/docs`` behind ``Auth.read`` (mounted when reads need the
+    token; FastAPI's own open ones otherwise)."""
+    router = APIRouter(include_in_schema=False, dependencies=[Depends(auth.read)])
+
+    @router.get("/openapi.json")
+    def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @router.get("/docs")
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+    return router
+
+
 def runs_router(service: RunService, auth: Auth) -> APIRouter:
-    """``/v1/runs``: create, read and steer runs. Writes need the token; reads too with
-    ``api.auth_reads``."""
+    """``/v1/runs``: create, read and steer runs. Writes need the token; reads too where
+    ``api.reads_need_token()``."""
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
     read, write = [Depends(auth.read)], [Depends(auth.write)]
     accepted: dict[str, Any] = {"response_model": Accepted, "status_code": 202,

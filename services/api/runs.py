@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +273,7 @@ class RunService:
         except ConfigError as err:
             raise _invalid(["body", "config"], str(err)) from None
         _confine(run_cfg, cfg)
-        _check_user_code(run_cfg)
+        _check_user_code(run_cfg, cfg)
         return run_cfg
 
     def create(self, body: CreateRun) -> RunInfo:
@@ -332,14 +332,7 @@ class RunService:
         paths.request_config.write_text(json.dumps(entry["config"], indent=2))
         if self.launcher is not None:
             return self.launcher(name, paths.request_config)
-        # The run's Redis URL is the API's own (run_config made it so); its password reaches
-        # the run through the environment, never through a file or the runs hash.
-        env = {**os.environ, f"{ENV_PREFIX}REDIS__URL": self.cfg.redis_url}
-        env.pop(f"{ENV_PREFIX}BUFFER__REDIS_URL", None)  # (the old name: it would conflict)
-        if self.cfg.ray_address:
-            env["RAY_ADDRESS"] = self.cfg.ray_address
-        elif not env.get("RAY_ADDRESS"):
-            env.pop("RAY_ADDRESS", None)  # (an empty one would not mean "local")
+        env = run_env(os.environ, self.cfg)  # (scrubbed: no token, no other secret)
         cmd = [sys.executable, "-m", "services.cli", "launch", "--config",
                str(paths.request_config)]  # fmt: skip
         if paths.has_checkpoint():
@@ -403,20 +396,91 @@ class RunService:
         return Accepted(run=name, action="hparams", detail=typed.set_fields())
 
 
-def _check_user_code(run_cfg: RunConfig) -> None:
-    """``task.reward`` and ``task.environment`` import and name what they should (their files
-    under ``models_dir``, checked by ``_confine`` first: only now imported); 422s otherwise."""
-    from reval.paths import RewardNotFound, check_environment, check_reward
+def _check_user_code(run_cfg: RunConfig, api: ApiConfig) -> None:
+    """``task.reward`` and ``task.environment``: a file under ``models_dir`` (``_confine`` has
+    checked where it lies), or installed code on the API's list (``reval.plugins.listed``: the
+    built-in graders and ``api.plugins``), by a plain name (no dotted path); each then checked
+    by ``reval.paths.check_isolated`` in a throw-away process (this process imports nothing a
+    client names). ``http_reward``'s URL and ``token_env`` are checked as the grading
+    processes will check them (``rollout.http_guard``). 422s, in lines that repeat nothing an
+    import said."""
+    from reval.config import BUILTIN_ENVIRONMENTS
+    from reval.paths import check_isolated, reward_file
+    from reval.plugins import BUILTIN_PLUGINS, PluginRefused, listed, split_spec
 
-    if run_cfg.task.reward is not None:
+    task = run_cfg.task
+    for field, spec in (("reward", task.reward), ("environment", task.environment)):
+        if spec is None or (field == "environment" and spec in BUILTIN_ENVIRONMENTS):
+            continue
+        loc = ["body", "config", "task", field]
+        module, name = split_spec(spec)
+        if "." in name:
+            raise _invalid(loc, f"task.{field}: name a top-level function (module:name); a "
+                           "dotted path is not taken over REST")  # fmt: skip
+        how = None
+        if reward_file(spec) is None:
+            how = listed(spec, [*BUILTIN_PLUGINS, *api.plugins])
+            if how is None:
+                raise _invalid(loc, f"task.{field}: {module}:{name} is not on this API's "
+                               "plugin list: the built-in graders (rollout.graders:NAME), "
+                               "what the operator lists (api.plugins, reval serve --plugin), "
+                               "or a file.py:name under its models_dir")  # fmt: skip
+        args = task.reward_args if field == "reward" else None
         try:
-            check_reward(run_cfg.task.reward, run_cfg.task.reward_args)
-        except RewardNotFound as err:
-            raise _invalid(["body", "config", "task", "reward"], str(err)) from None
+            check_isolated(spec, f"task.{field}", args, own_names_only=how == "module")
+        except PluginRefused as err:
+            raise _invalid(loc, str(err)) from None
+    if task.reward is not None and task.reward.strip() == HTTP_REWARD:
+        _check_http_reward(task.reward_args, run_env(os.environ, api))
+
+
+HTTP_REWARD = "rollout.graders:http_reward"
+
+
+def _check_http_reward(args: dict[str, Any], env: dict[str, str]) -> None:
+    """``reward_args.url`` and ``token_env`` as the run's grading processes will check them
+    (the same functions, the environment the run will have)."""
+    from rollout.http_guard import RewardUrlRefused, check_target, check_token_env
+
     try:
-        check_environment(run_cfg)
-    except ValueError as err:
-        raise _invalid(["body", "config", "task", "environment"], str(err)) from None
+        check_token_env(args.get("token_env"), env)
+        check_target(args.get("url"), env)  # type: ignore[arg-type]
+    except RewardUrlRefused as err:
+        raise _invalid(["body", "config", "task", "reward_args", err.field], str(err)) from None
+
+
+RUN_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TZ", "LANG", "LANGUAGE", "LC_*",
+    "TERM", "PYTHONPATH", "VIRTUAL_ENV", "RAY_*", "REVAL__*", "REVAL_REWARD_*",
+    "REVAL_HTTP_REWARD_*", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "NVIDIA_VISIBLE_DEVICES",
+    "NCCL_*", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+    "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+)  # fmt: skip
+"""What a run launched by the API inherits of its environment (``NAME`` or ``PREFIX*``), with
+``api.pass_env``: what a run needs (its Redis URL in ``REVAL__REDIS__URL``, Ray, the devices,
+the model cache, ``REVAL_REWARD_*`` tokens for ``http_reward``), and no other secret."""
+
+
+def _matches(name: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in patterns)
+
+
+def run_env(environ: Mapping[str, str], api: ApiConfig) -> dict[str, str]:
+    """The environment of a run the API launches: ``environ`` (the API's) cut to ``RUN_ENV``
+    and ``api.pass_env``, never the API's token; its Redis URL (``REVAL__REDIS__URL``, where
+    the password travels: never through a file or the runs hash); ``RAY_ADDRESS`` from
+    ``api.ray_address``."""
+    env = {k: v for k, v in environ.items()
+           if _matches(k, RUN_ENV) or _matches(k, api.pass_env)}  # fmt: skip
+    env.pop(api.token_env, None)
+    env[f"{ENV_PREFIX}REDIS__URL"] = api.redis_url
+    env.pop(f"{ENV_PREFIX}BUFFER__REDIS_URL", None)  # (the old name: it would conflict)
+    if api.ray_address:
+        env["RAY_ADDRESS"] = api.ray_address
+    elif not env.get("RAY_ADDRESS"):
+        env.pop("RAY_ADDRESS", None)  # (an empty one would not mean "local")
+    return env
 
 
 def _checkpoints_hint(name: str, run_dir: Path, known: bool) -> str:

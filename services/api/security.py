@@ -24,7 +24,9 @@ Creds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 class Auth:
     """The token check: ``Authorization: Bearer <token>``, the token from the environment
     variable ``api.token_env`` compared in constant time. ``write`` guards every mutating
-    endpoint; ``read`` the others when ``auth_reads``."""
+    endpoint; ``read`` the reads (runs, ``/docs``, ``/openapi.json``) when
+    ``api.reads_need_token()`` (``auth_reads``; by default whenever the API binds a
+    non-loopback address); ``metrics`` ``/metrics`` when ``api.metrics_need_token()``."""
 
     def __init__(self, cfg: ApiConfig) -> None:
         self.cfg = cfg
@@ -45,7 +47,11 @@ class Auth:
         self.check(creds)
 
     def read(self, creds: Creds) -> None:
-        if self.cfg.auth_reads:
+        if self.cfg.reads_need_token():
+            self.check(creds)
+
+    def metrics(self, creds: Creds) -> None:
+        if self.cfg.metrics_need_token():
             self.check(creds)
 
 
