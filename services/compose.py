@@ -267,6 +267,9 @@ def _core(layout: Layout | CpuLayout) -> dict[str, Any]:
                 REDIS_URL,
                 "--output-dir",
                 "/runs",
+                # Prometheus scrapes /metrics from its own container (the API binds 0.0.0.0,
+                # where reads and /metrics need the token unless opened): metrics only.
+                "--open-metrics",
             ],
             "environment": {
                 "REVAL_API_TOKEN": "${REVAL_API_TOKEN:?set REVAL_API_TOKEN to a secret of 16+ "

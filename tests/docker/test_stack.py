@@ -127,7 +127,9 @@ class Stack:
 
     def run_info(self) -> dict[str, Any]:
         try:
-            r = httpx.get(f"{self.api}/v1/runs/{RUN}", timeout=5)
+            # (the API binds 0.0.0.0 in its container: reads need the token there)
+            r = httpx.get(f"{self.api}/v1/runs/{RUN}", timeout=5,
+                          headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
         except httpx.HTTPError:
             return {}
         return dict(r.json()) if r.status_code == 200 else {}
