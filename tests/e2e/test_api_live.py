@@ -1,5 +1,7 @@
 """A live run steered over REST: ``reval serve`` as a process, a run created through it (the API
-starts ``reval launch`` on a local Ray: a learner and two rollout workers, real Redis), then a
+starts ``reval launch`` on a local Ray: a learner and two rollout workers, real Redis) on a user's
+own task (a local JSONL dataset and a reward file under ``reval serve --models-dir``), launched
+with a scrubbed environment (no API token, no other secret: read from the launched process), then a
 live hyperparameter change that the learner applies within one step (read back from its metrics
 log), scaling from 2 to 3 workers and back, an API restart in the middle (nothing lost), pause
 and resume, and a graceful stop."""
@@ -21,8 +23,10 @@ import httpx
 from reval.config import parse_overrides
 from reval.metrics import read_jsonl
 from tests.e2e.test_service import ROOT, common
+from tests.integration.test_custom_task import write_task
 
 TOKEN = "live-test-token-0123456789abcdef"
+SECRET = "a-secret-the-runs-must-not-inherit"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -34,11 +38,12 @@ def free_port() -> int:
 
 def serve(tmp_path: Path, redis_url: str, prefix: str, port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "REVAL_API_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
-           "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
+           "RAY_USAGE_STATS_ENABLED": "0", "SOME_OTHER_SECRET": SECRET}  # fmt: skip
     log = (tmp_path / f"serve-{time.monotonic_ns()}.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--redis-url",
-         redis_url, "--key-prefix", prefix, "--output-dir", str(tmp_path)],
+         redis_url, "--key-prefix", prefix, "--output-dir", str(tmp_path),
+         "--models-dir", str(tmp_path / "models")],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -64,9 +69,11 @@ def wait_for(fn, timeout: float, what: str):
 
 
 def test_live_run_over_rest(tmp_path, redis_url, redis_prefix):
+    data, reward = write_task(tmp_path / "models")  # the user's own task, under --models-dir
     sets = common(tmp_path, redis_url, redis_prefix, "name=live", "buffer.capacity=4096",
                   "learner.max_steps=100000", "learner.world_size=1",
-                  "launch.stop_timeout_s=30")  # fmt: skip
+                  "launch.stop_timeout_s=30", f"task.dataset={data}",
+                  f"task.reward={reward}:reward", "task.prompt_field=question")  # fmt: skip
     config = parse_overrides(sets)
     port = free_port()
     api = serve(tmp_path, redis_url, redis_prefix, port)
@@ -83,6 +90,9 @@ def test_live_run_over_rest(tmp_path, redis_url, redis_prefix):
         r = httpx.post(base, json={"config": config, "workers": 2}, headers=AUTH, timeout=30)
         assert r.status_code == 201, r.text
         pid = r.json()["pid"]
+        launched = Path(f"/proc/{pid}/environ").read_bytes().decode()
+        assert TOKEN not in launched and SECRET not in launched  # scrubbed (run_env)
+        assert "REVAL__REDIS__URL=" in launched
         wait_for(lambda: (get().get("step") or 0) >= 5, 240, "5 updates")
 
         # A live change of beta: the learner applies it at its next step, logged with the step.
