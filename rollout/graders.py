@@ -97,7 +97,8 @@ except BaseException as err:
     _send(("error", type(err).__name__))
     os._exit(0)
 _send(("ok", {k: (None if callable(v) else v) for k, v in list(ns.items())
-              if not k.startswith("__") and (callable(v) or _plain(v))}))
+              if not k.startswith("__")
+              and (callable(v) or (_plain(v) and len(repr(v)) <= 1 << 16))}))
 while (req := _frame()) is not None:
     name, args, kwargs = ast.literal_eval(req)
     try:
@@ -123,11 +124,15 @@ class Solution:
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-X", "utf8", "-c", job["boot"]],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={})
-        self.send(repr(tuple(job["limits"])))
-        self.send(job["source"])
-        kind, self.names = self.recv()
-        if kind != "ok" or type(self.names) is not dict:
-            raise RuntimeError("the solution did not run")
+        try:
+            self.send(repr(tuple(job["limits"])))
+            self.send(job["source"])
+            kind, self.names = self.recv()
+            if kind != "ok" or type(self.names) is not dict:
+                raise RuntimeError("the solution did not run")
+        except BaseException:
+            self.close()
+            raise
     def send(self, text):
         data = text.encode()
         self.proc.stdin.write(struct.pack(">I", len(data)) + data)
@@ -168,7 +173,7 @@ class Solution:
     def close(self):
         self.proc.kill()
         self.proc.wait()
-solution = None
+solution, compiled = None, False
 for i, test in enumerate(job["tests"]):
     try:
         if solution is None or solution.proc.poll() is not None:
@@ -176,8 +181,9 @@ for i, test in enumerate(job["tests"]):
                 solution.close()
             solution = None
             solution = Solution()
-            if i == 0:
+            if not compiled:
                 say("compiled", 1)
+                compiled = True
         exec(compile(test, "test.py", "exec"), solution.namespace())
         say("test", i, 1)
     except BaseException:
@@ -210,8 +216,9 @@ def code_tests(
     A test sees the code's top-level names: a function as a proxy that calls it in the code's
     process and returns its value only when it is plain data (``int float bool str bytes
     complex None`` and ``list tuple set dict`` of them: exact types, copied by ``repr`` and
-    ``ast.literal_eval``), and plain values as copies. So an object whose ``__eq__`` is always
-    true never reaches a test, and a test's expected values never reach the code.
+    ``ast.literal_eval``; at most 1 MiB), and plain values (up to 64 KiB each) as copies. So
+    an object whose ``__eq__`` is always true never reaches a test, and a test's expected values
+    never reach the code.
 
     Its limits: a function's other return values (objects of the code's classes, generators,
     functions, NaN) fail the test; arguments must be plain data (no callables), passed by copy

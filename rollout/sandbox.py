@@ -14,9 +14,9 @@ capabilities, no further user namespaces), ``--die-with-parent``, ``--new-sessio
 environment (bwrap itself is started with none: its ``/proc/<pid>/environ`` would otherwise
 hold the grader's), read-only binds of ``/usr``, ``/lib``, ``/lib64`` (the C library) and the
 interpreter's ``sys.base_prefix`` (its standard library; never a venv's site-packages, the repo
-or the home directory) and nothing else of the host, a ``/tmp`` tmpfs of ``Limits.tmpfs_mb``
-that is the working directory, a fresh ``/proc`` and a minimal ``/dev``. Nothing is written on
-the host: no temporary directory.
+or the home directory) and nothing else of the host, a read-only root, a ``/tmp`` tmpfs of
+``Limits.tmpfs_mb`` that is the working directory and the only place it can write, a fresh
+``/proc`` and a minimal ``/dev``. Nothing is written on the host: no temporary directory.
 
 The harness confines the process that runs model code with ``CONFINE`` before that code runs:
 rlimits (CPU seconds, address space, file size, open files, processes, no core files) and a
@@ -225,15 +225,45 @@ def _interpreter() -> tuple[str, str]:
 
 def _bwrap_argv(bwrap: str, limits: Limits) -> list[str]:
     python, prefix = _interpreter()
-    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--new-session", "--as-pid-1", "--clearenv", "--uid", "65534", "--gid", "65534"]
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--as-pid-1",
+        "--clearenv",
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+    ]
     for path in ("/usr", "/lib", "/lib64", "/lib32"):
         if os.path.isdir(path):
             argv += ["--ro-bind", path, path]
     if not prefix.startswith("/usr/"):
         argv += ["--ro-bind", prefix, prefix]
-    argv += ["--size", str(limits.tmpfs_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp",
-             "--proc", "/proc", "--dev", "/dev", "--", python, "-I", "-S", "-X", "utf8"]
+    argv += [
+        "--size",
+        str(limits.tmpfs_mb << 20),
+        "--tmpfs",
+        "/tmp",
+        "--chdir",
+        "/tmp",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--remount-ro",
+        "/",
+        "--",
+        python,
+        "-I",
+        "-S",
+        "-X",
+        "utf8",
+    ]
     return argv
 
 
