@@ -47,6 +47,9 @@ def test_runs_client_against_a_live_api(tmp_path, redis_url, redis_prefix):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "REVAL_API_TOKEN": TOKEN, "REVAL_API_URL": f"http://127.0.0.1:{port}"}
+    # The directory it may read a user's own task from, by its variable (reval serve
+    # --models-dir is the flag).
+    env["REVAL_API__MODELS_DIR"] = str(tmp_path / "models")
     server_log = tmp_path / "serve.log"
     api = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--redis-url",
@@ -101,6 +104,20 @@ def test_runs_client_against_a_live_api(tmp_path, redis_url, redis_prefix):
         resumed = reval(*hint[1:], env=env)
         assert resumed.returncode == 0, resumed.stderr
         assert json.loads(reval("runs", "get", "old", env=env).stdout)["phase"] == "registered"
+        # A user's own task under the served directory: created; installed code off the
+        # API's list: refused.
+        from tests.integration.test_custom_task import write_task
+
+        data, reward = write_task(tmp_path / "models")
+        own = ["--set", f"task.dataset={data}", "--set", "task.prompt_field=question",
+               "--set", "buffer.backend=redis", "--no-start"]  # fmt: skip
+        mine = reval("runs", "create", "--set", "name=mine", "--set",
+                     f"task.reward={reward}:reward", *own, env=env)  # fmt: skip
+        assert mine.returncode == 0, mine.stderr
+        hostile = reval("runs", "create", "--set", "name=hostile", "--set",
+                        "task.reward=timeit:timeit", *own, env=env)  # fmt: skip
+        assert hostile.returncode == 1 and "422" in hostile.stderr, hostile.stderr
+        assert "plugin list" in hostile.stderr
         events = json.loads(reval("runs", "events", "cli", env=env).stdout)
         assert "created" in [e["kind"] for e in events]
         gone = reval("runs", "--url", "http://127.0.0.1:1", "list", env=env)
