@@ -92,11 +92,13 @@ class RewardFunction:
     it. ``timeout``: the per-answer deadline of an async function's answers."""
 
     def __init__(self, spec: str, kwargs: Mapping[str, Any] | None = None,
-                 timeout: float = 5.0) -> None:  # fmt: skip
+                 timeout: float = 5.0, sandbox: str = "bwrap") -> None:  # fmt: skip
         self.spec = spec
         self.kwargs = dict(kwargs or {})
         self.timeout = timeout
+        self.sandbox = sandbox
         fn = load_reward(spec)
+        self._preflight(fn)
         self.batch_call = getattr(fn, "batched", False) is True
         self.is_async = inspect.iscoroutinefunction(fn)
         self.batched = self.batch_call or self.is_async
@@ -118,6 +120,15 @@ class RewardFunction:
     def warm_up(self) -> None:
         if self._fn is None:
             self._fn = load_reward(self.spec)
+            self._preflight(self._fn)
+
+    def _preflight(self, fn: Any) -> None:
+        """A function that runs model code (``rollout.graders:code_tests``) checks its sandbox
+        (``rollout.sandbox``) and its deadline against ``timeout`` when grading starts, in the
+        worker and in each grading process: it refuses there, in one line, not per answer."""
+        preflight = getattr(fn, "preflight", None)
+        if callable(preflight):
+            preflight(self.kwargs, self.timeout, self.sandbox)
 
     def grade_many(self, work: Sequence[tuple[tuple[Any, ...], str | None]]) -> list[Graded]:
         """Each ``((prompt, completion, metadata), _)`` graded by the function (see the module's
@@ -269,7 +280,8 @@ class CustomTask:
         if cfg.reward is None or cfg.dataset is None:
             raise ValueError("task.kind=custom needs task.reward and task.dataset")
         timeout = rollout.verifier_timeout_s if rollout else 5.0
-        grader = RewardFunction(cfg.reward, cfg.reward_args, timeout)
+        grader = RewardFunction(cfg.reward, cfg.reward_args, timeout,
+                                rollout.sandbox if rollout else "bwrap")  # fmt: skip
         rows = read_rows(cfg.dataset, cfg.split, field)
         verifier = PooledVerifier(grader, workers=rollout.verifier_workers if rollout else 2,
                                   timeout=timeout, registry=registry)  # fmt: skip
