@@ -233,9 +233,15 @@ class Learner:
         denom: float = float(bsz)
         if self.algo.on_policy:
             raw = torch.tensor([t.reward_raw for t in trajectories])
-            advantages = grpo_advantages(raw, [t.group_id for t in trajectories])
-            if keep is not None:
-                advantages = advantages * keep
+            groups = [t.group_id for t in trajectories]
+            if keep is None:
+                advantages = grpo_advantages(raw, groups)
+            else:  # masked (truncated) answers leave their group's mean and std too
+                advantages = torch.zeros(bsz)
+                kept = keep.bool().nonzero()[:, 0]
+                if kept.numel():
+                    rows = kept.tolist()
+                    advantages[kept] = grpo_advantages(raw[kept], [groups[i] for i in rows])
             denom = float(sum(float(b.mask.sum()) for b in batches))  # token mean over all B
             if self.reduce is not None:
                 denom = self.reduce(denom, "sum") / self.reduce(1.0, "sum")

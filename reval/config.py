@@ -450,9 +450,18 @@ class AlgoConfig(_Section):
     ``2r - 1``."""
     mask_truncated: bool = False
     """A response cut at ``rollout.max_new_tokens`` (finish reason ``length``) is terminal and
-    keeps the verifier's reward, as in the paper (false); true leaves such responses out of the
-    loss (their term weighted 0; GRPO: advantage 0). Either way the reward and the finish reason
-    are recorded with the trajectory."""
+    trains with its reward (false, as in the paper); true leaves such responses out of the loss
+    (their term weighted 0; GRPO: advantage 0, and they leave their group's mean and std, DAPO's
+    overlong filtering). Either way the reward and the finish reason are recorded with the
+    trajectory (docs/algorithm.md, "Truncated answers")."""
+    truncated_reward: Literal["zero", "graded"] = "zero"
+    """What a response cut at the token limit earns: ``zero`` (never counted as a full answer,
+    whatever the verifier says) or ``graded`` (the verifier's score; a reward function receives
+    the answer's ``finish_reason`` and may decide itself). Applied at collection time."""
+    overlong_penalty_tokens: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment (eq. 13): with L_cache = this and L_max =
+    ``rollout.max_new_tokens``, ``min(0, (L_max - L_cache - length) / L_cache)`` is added to a
+    single-turn answer's reward (0 up to L_max - L_cache tokens, -1 at L_max). 0: off."""
     clip_low: float = Field(0.2, ge=0)
     """GRPO: lower ratio clip (1 - clip_low)."""
     clip_high: float = Field(0.28, ge=0)

@@ -39,6 +39,7 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from reval.answers import stop_token_ids
 from reval.config import ModelConfig, TinyModelConfig
 from reval.paths import ModelNotFound, check_model
 
@@ -188,6 +189,13 @@ class Policy:
     @property
     def eos_id(self) -> int:
         return int(self.tokenizer.eos_token_id)  # type: ignore[arg-type]
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """What ends an answer (``reval.answers.stop_token_ids``): EOS, the model's generation
+        config's EOS list, the chat template's end of turn."""
+        gen = getattr(self.model, "generation_config", None)
+        return stop_token_ids(self.tokenizer, getattr(gen, "eos_token_id", None))
 
 
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")

@@ -6,15 +6,19 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from buffer.records import FinishReason, Trajectory
+from reval.answers import answer_text
+from reval.config import AlgoConfig
 from reval.rewards import RewardVariant, transform_rewards
 from rollout.engines import GenerationEngine, SamplingParams
 from rollout.environment import EpisodeRunner, skipped_counts
-from rollout.tasks import Prompt, Task, Verifier
+from rollout.task_types import Prompt, Task, Verifier
+from rollout.verify import PooledVerifier
 
 _NO_MASK = np.zeros(0, dtype=np.uint8)  # a single-turn answer: every token is an action
 
@@ -53,6 +57,49 @@ class _Answer:
     turns: int = 1
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """What an answer cut at the token limit (finish reason ``length``) earns, applied to the
+    raw rewards at collection time (``algo.truncated_reward``, ``algo.overlong_penalty_tokens``;
+    docs/algorithm.md, "Truncated answers"):
+
+    - ``reward = "zero"`` (the default): a cut answer's reward is 0, whatever the verifier said
+      (it is never counted as a full answer); ``"graded"``: the verifier's (a reward function
+      receives ``finish_reason`` and may decide itself);
+    - ``penalty_tokens`` = L_cache > 0: DAPO's soft overlong punishment (eq. 13), with L_max =
+      ``max_tokens`` (``rollout.max_new_tokens``): ``min(0, (L_max - L_cache - |y|) / L_cache)``
+      added to every single-turn answer's reward (0 up to L_max - L_cache tokens, then down to
+      -1 at L_max).
+    """
+
+    reward: Literal["zero", "graded"] = "zero"
+    penalty_tokens: int = 0
+    max_tokens: int = 0
+
+    @classmethod
+    def from_config(cls, algo: AlgoConfig, max_new_tokens: int) -> Truncation:
+        return cls(algo.truncated_reward, algo.overlong_penalty_tokens, max_new_tokens)
+
+    def penalty(self, length: int) -> float:
+        """DAPO's soft overlong penalty of an answer of ``length`` tokens (0 when off)."""
+        if self.penalty_tokens <= 0:
+            return 0.0
+        cache = self.penalty_tokens
+        return max(-1.0, min(0.0, (self.max_tokens - cache - length) / cache))
+
+    def apply(
+        self, raw: Sequence[float], finish_reasons: Sequence[str], lengths: Sequence[int] | None
+    ) -> list[float]:
+        """``raw`` with the rule applied; ``lengths`` None: multi-turn episodes (no penalty)."""
+        out = []
+        for i, (r, why) in enumerate(zip(raw, finish_reasons, strict=True)):
+            r = 0.0 if why == "length" and self.reward == "zero" else float(r)
+            if lengths is not None:
+                r += self.penalty(int(lengths[i]))
+            out.append(r)
+        return out
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
 ) -> list[list[int]]:
@@ -71,10 +118,13 @@ def collect_round(
     run_id: str = "",
     worker_id: str = "",
     episodes: EpisodeRunner | None = None,
+    truncation: Truncation = Truncation(),
 ) -> RoundResult:
-    """Generate ``params.n`` answers per prompt, verify them, transform the rewards per group.
-    With ``episodes`` (``task.environment``) each answer is a multi-turn episode, rewarded by
-    its environment; episodes whose environment misbehaved are left out and counted."""
+    """Generate ``params.n`` answers per prompt, verify them (each answer's text:
+    ``reval.answers.answer_text``), apply ``truncation`` to answers cut at the token limit,
+    transform the rewards per group. With ``episodes`` (``task.environment``) each answer is a
+    multi-turn episode, rewarded by its environment; episodes whose environment misbehaved are
+    left out and counted."""
     prompt_ids = encode_prompts(tokenizer, prompts)
     answers: list[_Answer] = []
     skipped: dict[str, int] = {}
@@ -84,10 +134,12 @@ def collect_round(
             for s in group:
                 answers.append(_Answer(i, prompt, f"{group_prefix}-{i}", s.token_ids,
                                        s.logprobs, _NO_MASK, s.finish_reason))  # fmt: skip
-        pairs = [(a.prompt, tokenizer.decode(a.token_ids, skip_special_tokens=True))
+        pairs = [(a.prompt, answer_text(tokenizer, a.token_ids, engine.stop_ids))
                  for a in answers]  # fmt: skip
         t0 = time.perf_counter()
-        raw = score_all(task.verifier, pairs)
+        reasons = [a.finish_reason for a in answers]
+        raw = score_all(task.verifier, pairs, reasons)
+        raw = truncation.apply(raw, reasons, [int(a.token_ids.size) for a in answers])
     else:
         played = episodes.run(engine, tokenizer, prompts, prompt_ids, params, seed)
         t0 = time.perf_counter()  # (the environments graded as the episodes ran)
@@ -100,6 +152,7 @@ def collect_round(
                     answers.append(_Answer(i, prompt, f"{group_prefix}-{i}", ids, lps, mask,
                                            e.finish_reason, e.turns))  # fmt: skip
                     raw.append(e.reward)
+        raw = truncation.apply(raw, [a.finish_reason for a in answers], None)
     verify_s = time.perf_counter() - t0
     rewards = transform_rewards(raw, [a.group for a in answers], reward_variant)
     trajectories = [
@@ -127,9 +180,16 @@ def collect_round(
                        verify_s=verify_s, turns_mean=turns, episodes_skipped=skipped)  # fmt: skip
 
 
-def score_all(verifier: Verifier, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
+def score_all(
+    verifier: Verifier,
+    pairs: Sequence[tuple[Prompt, str]],
+    finish_reasons: Sequence[str] | None = None,
+) -> list[float]:
     """Scores of (prompt, response) pairs: in one batch when the verifier grades batches (the
-    process-pool math verifier), else one by one."""
+    process-pool math verifier), else one by one. ``finish_reasons`` (one per pair) reach the
+    pooled graders (a custom task's reward function receives its answer's)."""
+    if finish_reasons is not None and isinstance(verifier, PooledVerifier):
+        return verifier.score_many(pairs, finish_reasons)
     many = getattr(verifier, "score_many", None)
     if many is not None:
         return [float(x) for x in many(list(pairs))]
@@ -163,7 +223,8 @@ def evaluate(
     for prompt, group in zip(prompts, samples, strict=True):
         scores = score_all(
             task.verifier,
-            [(prompt, tokenizer.decode(s.token_ids, skip_special_tokens=True)) for s in group],
+            [(prompt, answer_text(tokenizer, s.token_ids, engine.stop_ids)) for s in group],
+            [s.finish_reason for s in group],
         )
         per_prompt.append(sum(scores) / len(scores))
     return sum(per_prompt) / len(per_prompt)

@@ -32,7 +32,8 @@ class SamplingParams:
 @dataclass
 class Sample:
     token_ids: np.ndarray
-    """[T] int32; ends with EOS when ``finish_reason == "stop"``."""
+    """[T] int32; ends with a stop token (the engine's ``stop_ids``) when ``finish_reason ==
+    "stop"``, and holds none before it."""
     logprobs: np.ndarray
     """[T] float32 behaviour log-probs."""
     finish_reason: FinishReason
@@ -42,6 +43,9 @@ class GenerationEngine(Protocol):
     policy_version: int
     receiver: WeightReceiver
     """Where the worker's ``WeightSubscriber`` delivers weights (files, broadcasts)."""
+    stop_ids: tuple[int, ...]
+    """The tokens that end an answer (``reval.answers.stop_token_ids``): what graders cut the
+    answer's text at (``reval.answers.answer_text``)."""
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
@@ -69,7 +73,9 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
 
 
 class HFEngine:
-    """Batched sampling with a KV cache over any HF causal LM."""
+    """Batched sampling with a KV cache over any HF causal LM. An answer ends on ``eos_id`` or
+    any of ``stop_ids`` (``Policy.stop_ids``: the stop set vLLM gets too), kept as its last
+    token."""
 
     def __init__(
         self,
@@ -78,10 +84,12 @@ class HFEngine:
         eos_id: int,
         device: torch.device | str = "cpu",
         max_batch: int = 1024,
+        stop_ids: Iterable[int] = (),
     ) -> None:
         self.model = model
         self.pad_id = pad_id
         self.eos_id = eos_id
+        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys([int(eos_id), *map(int, stop_ids)]))
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.policy_version = 0
@@ -151,6 +159,7 @@ class HFEngine:
         logps = torch.zeros((bsz, params.max_new_tokens), dtype=torch.float32)
         lengths = torch.zeros(bsz, dtype=torch.long)
         done = torch.zeros(bsz, dtype=torch.bool, device=self.device)
+        stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
         for step in range(params.max_new_tokens):
             scaled = top_p_filter(logits.float() / params.temperature, params.top_p)
             logp_all = scaled.log_softmax(-1)
@@ -161,7 +170,7 @@ class HFEngine:
             tokens[:, step] = torch.where(live, choice, self.pad_id).cpu()
             logps[:, step] = torch.where(live, chosen_logp, 0.0).cpu()
             lengths += live.long().cpu()
-            done = done | (choice == self.eos_id)
+            done = done | torch.isin(choice, stops)
             if bool(done.all()) or step == params.max_new_tokens - 1:
                 break
             attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=self.device)], 1)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from buffer.records import FinishReason
+from reval.answers import answer_text
 from reval.config import BUILTIN_ENVIRONMENTS, TaskConfig
 from rollout.engines import GenerationEngine, SamplingParams
 from rollout.env_types import Environment, EnvironmentFactory, Step
@@ -171,7 +172,7 @@ def run_episodes(
         samples = engine.generate(contexts, turn_params, seed + 7919 * turn)
         last = turn == limits.max_turns - 1
         for e, (sample,) in zip(live, samples, strict=True):
-            _advance(e, sample, tokenizer, limits, last)
+            _advance(e, sample, tokenizer, engine.stop_ids, limits, last)
     for e in flat:
         if e.error is not None:
             log.warning("episode skipped (%s): %s", e.error.reason, e.error)
@@ -188,8 +189,16 @@ def _start(factory: EnvironmentFactory, prompt: Prompt, ids: Sequence[int]) -> E
     return Episode(list(ids), env)
 
 
-def _advance(e: Episode, sample: Any, tokenizer: Any, limits: EpisodeLimits, last: bool) -> None:
-    """Add the model's turn to the episode and give it to the environment."""
+def _advance(
+    e: Episode,
+    sample: Any,
+    tokenizer: Any,
+    stop_ids: Sequence[int],
+    limits: EpisodeLimits,
+    last: bool,
+) -> None:
+    """Add the model's turn to the episode and give it to the environment (the turn's text as
+    graded everywhere: ``reval.answers.answer_text``)."""
     room = limits.max_tokens - len(e.tokens)
     ids = [int(x) for x in sample.token_ids[:room]]
     e.tokens += ids
@@ -202,7 +211,7 @@ def _advance(e: Episode, sample: Any, tokenizer: Any, limits: EpisodeLimits, las
         e.env, e.finish_reason = None, "length"
         return
     try:
-        step = as_step(env.step(tokenizer.decode(ids, skip_special_tokens=True)))
+        step = as_step(env.step(answer_text(tokenizer, ids, stop_ids)))
     except EpisodeError as err:
         e.env, e.error = None, err
         return

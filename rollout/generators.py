@@ -80,4 +80,6 @@ def build_engine(
         return engine, engine.tokenizer
     policy = load_policy(cfg.model, seed)
     policy.model.to(compute_dtype(cfg.model)).eval()  # (it only generates: no fp32 masters)
-    return HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device), policy.tokenizer
+    engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device,
+                      stop_ids=policy.stop_ids)  # fmt: skip
+    return engine, policy.tokenizer

@@ -8,7 +8,11 @@ other column is the row's metadata. Rows without a usable prompt, or over
 
 ``task.reward`` (``package.module:function`` or ``path/to/file.py:function``, loaded by
 ``reval.paths.load_reward``) is called as ``f(prompt, completion, metadata, **task.reward_args)``,
-where ``prompt`` is the row's prompt field as the dataset holds it. It runs in the worker's
+where ``prompt`` is the row's prompt field as the dataset holds it and ``completion`` the answer
+as generated (``reval.answers.answer_text``: up to its stop token, special tokens kept); a
+function that declares a ``finish_reason`` parameter also gets ``finish_reason="stop"`` or
+``"length"`` (cut at the token limit; ``algo.truncated_reward`` decides what such an answer
+earns in training, docs/tasks.md). It runs in the worker's
 grading processes (``rollout/verify.py``: ``VerifierPool``, the math grader's pool) under the
 per-answer deadline ``rollout.verifier_timeout_s``. How a function is called:
 
@@ -101,6 +105,8 @@ class RewardFunction:
         self._preflight(fn)
         self.batch_call = getattr(fn, "batched", False) is True
         self.is_async = inspect.iscoroutinefunction(fn)
+        self.takes_finish_reason = takes_finish_reason(fn)
+        """The function declares a ``finish_reason`` parameter: it receives the answer's."""
         self.batched = self.batch_call or self.is_async
         self._fn: Any = fn
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -110,9 +116,17 @@ class RewardFunction:
         # name there, and neither is an event loop picklable)
         return {**self.__dict__, "_fn": None, "_loop": None}
 
-    def item(self, prompt: Prompt, response: str) -> tuple[Any, str, Mapping[str, Any]]:
+    def item(
+        self, prompt: Prompt, response: str, finish_reason: str = "stop"
+    ) -> tuple[Any, str, Mapping[str, Any], str]:
         raw = prompt.raw if prompt.raw is not None else prompt.text
-        return (raw, response, dict(prompt.metadata or {}))
+        return (raw, response, dict(prompt.metadata or {}), finish_reason)
+
+    def _kwargs(self, finish_reason: Any) -> dict[str, Any]:
+        """``task.reward_args``, and ``finish_reason`` where the function declares it."""
+        if not self.takes_finish_reason:
+            return self.kwargs
+        return {**self.kwargs, "finish_reason": finish_reason}
 
     def precheck(self, *item: Any) -> Precheck:
         return Precheck(None)  # (every answer goes to a grading process)
@@ -131,13 +145,16 @@ class RewardFunction:
             preflight(self.kwargs, self.timeout, self.sandbox)
 
     def grade_many(self, work: Sequence[tuple[tuple[Any, ...], str | None]]) -> list[Graded]:
-        """Each ``((prompt, completion, metadata), _)`` graded by the function (see the module's
-        docstring for how it is called and what scores 0)."""
+        """Each ``((prompt, completion, metadata, finish_reason), _)`` graded by the function
+        (see the module's docstring for how it is called and what scores 0)."""
         self.warm_up()
         items = [item for item, _ in work]
         if self.batch_call:
             try:
-                out = self._fn(*(list(col) for col in zip(*items, strict=True)), **self.kwargs)
+                prompts, completions, metadatas, reasons = (
+                    list(col) for col in zip(*items, strict=True)
+                )
+                out = self._fn(prompts, completions, metadatas, **self._kwargs(reasons))
                 if inspect.isawaitable(out):
                     out = self._run(out)
             except Exception as err:
@@ -153,17 +170,18 @@ class RewardFunction:
             gathered: list[Graded] = self._run(self._gather(items))
             return gathered
         graded = []
-        for prompt, completion, metadata in items:
+        for prompt, completion, metadata, reason in items:
             try:
-                graded.append(to_graded(self._fn(prompt, completion, metadata, **self.kwargs)))
+                value = self._fn(prompt, completion, metadata, **self._kwargs(reason))
+                graded.append(to_graded(value))
             except Exception as err:
                 graded.append(_error(err))
         return graded
 
     async def _gather(self, items: list[tuple[Any, ...]]) -> list[Graded]:
-        async def one(prompt: Any, completion: str, metadata: Any) -> Graded:
+        async def one(prompt: Any, completion: str, metadata: Any, reason: str) -> Graded:
             try:
-                coro = self._fn(prompt, completion, metadata, **self.kwargs)
+                coro = self._fn(prompt, completion, metadata, **self._kwargs(reason))
                 return to_graded(await asyncio.wait_for(coro, self.timeout))
             except TimeoutError:
                 return Graded(0.0, "timeout", f"not done in {self.timeout} s")
@@ -178,6 +196,21 @@ class RewardFunction:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
         return self._loop.run_until_complete(coro)
+
+
+def takes_finish_reason(fn: Any) -> bool:
+    """``fn`` declares a parameter named ``finish_reason`` (then it is called with the answer's:
+    ``stop``, or ``length`` for an answer cut at the token limit; a batched function gets a
+    list). Functions without it are called as before."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    param = params.get("finish_reason")
+    return param is not None and param.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
 
 
 def prompt_text(value: Any, tokenizer: Any | None) -> str | None:

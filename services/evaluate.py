@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from reval.answers import answer_text
 from reval.config import RunConfig
+from rollout.collect import score_all
 from rollout.engines import SamplingParams
 from rollout.eval_sets import BENCHMARKS, Benchmark, BenchmarkSpec, Problem, load_benchmark
 from rollout.task_types import Prompt, Task
@@ -68,19 +70,22 @@ def evaluate_benchmark(
     pairs."""
     t0 = time.perf_counter()
     scores: list[float] = []
-    eos = getattr(tokenizer, "eos_token_id", None)
     for start in range(0, len(bench.problems), batch_prompts):
         chunk = bench.problems[start : start + batch_prompts]
         texts = bench.prompts[start : start + batch_prompts]
         ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
         samples = engine.generate(ids, params, seed=seed * 1_000_003 + start)
         pairs: list[tuple[Any, str]] = []
+        reasons: list[str] = []
         for j, (problem, group) in enumerate(zip(chunk, samples, strict=True)):
             key = problem.answer if task_prompts is None else task_prompts[start + j]
             for s in group:
-                tokens = [int(x) for x in s.token_ids if eos is None or int(x) != eos]
-                pairs.append((key, tokenizer.decode(tokens, skip_special_tokens=True)))
-        graded = [float(x) for x in verifier.score_many(pairs)]
+                pairs.append((key, answer_text(tokenizer, s.token_ids, engine.stop_ids)))
+                reasons.append(s.finish_reason)
+        if task_prompts is None:
+            graded = [float(x) for x in verifier.score_many(pairs)]
+        else:  # (the task's reward function receives each answer's finish reason)
+            graded = score_all(verifier, pairs, reasons)
         k = params.n
         for j in range(len(chunk)):
             scores.append(float(np.mean(graded[j * k : (j + 1) * k])))

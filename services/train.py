@@ -31,7 +31,7 @@ from learner.trainer import Learner
 from reval.config import RunConfig, TaskConfig, dump_config
 from reval.metrics import JsonlWriter, TrainMetrics
 from reval.policy import Policy, compute_dtype
-from rollout.collect import collect_round, evaluate
+from rollout.collect import Truncation, collect_round, evaluate
 from rollout.dealer import PromptDealer
 from rollout.engines import HFEngine, SamplingParams
 from rollout.environment import EpisodeRunner
@@ -161,7 +161,8 @@ class EmbeddedRun:
         for stale in (cfg.paths.metrics, cfg.paths.curve):
             stale.unlink(missing_ok=True)
         dump_config(cfg, cfg.paths.config)
-        engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device)
+        engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device,
+                          stop_ids=policy.stop_ids)  # fmt: skip
         learner = Learner(policy.model, cfg.learner, cfg.algo, policy.pad_id, policy.eos_id,
                           policy.device, compute_dtype=compute_dtype(cfg.model))  # fmt: skip
         buffer_metrics = BufferMetrics(metrics.registry)
@@ -242,6 +243,7 @@ class EmbeddedRun:
             self.params, seed=cfg.seed * 7919 + rnd, reward_variant=cfg.algo.reward,
             group_prefix=f"r{rnd}", run_id=cfg.name, worker_id="embedded",
             episodes=self.episodes,
+            truncation=Truncation.from_config(cfg.algo, self.params.max_new_tokens),
         )  # fmt: skip
         t_gen = time.perf_counter() - t0
         buffer.set_policy_version(learner.step)

@@ -228,7 +228,7 @@ def test_worker_takes_new_weights_between_batches(tmp_path, redis_url, redis_pre
     stats = worker.run(max_batches=6)
     done.set()
     t.join()
-    assert stats.versions[0] == 0 and stats.versions[-1] == 7
+    assert list(stats.versions) == [0, 7]  # (one entry per version, in order)
     assert stats.weight_loads == 2  # v0 at start, v7 between batches
     versions = Counter(t.policy_version for t in ring_of(cfg).items())
     assert set(versions) == {0, 7}
@@ -266,7 +266,7 @@ def test_worker_waits_for_the_learners_weights(tmp_path, redis_url, redis_prefix
     stats = worker.run(max_batches=1)
     timer.join()
     assert time.monotonic() - t0 >= 0.7
-    assert stats.versions == [3]
+    assert stats.versions == {3: 1}
     waited = worker.metrics.registry.get_sample_value("reval_rollout_weight_wait_seconds_total")
     assert waited >= 0.7
 

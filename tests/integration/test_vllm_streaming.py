@@ -114,6 +114,9 @@ class Versions:
     def peek(self) -> int | None:
         return self.announced
 
+    def behind(self) -> bool:
+        return self.announced is not None and self.announced != self.engine.policy_version
+
     def load(self) -> int | None:
         v = self.announced
         if v is None or v == self.engine.policy_version:
@@ -197,7 +200,7 @@ def test_keep_versions_every_token_and_a_version_reaches_the_sampler_at_once(
     spanned = 0
     near_uniform, other = 0, 0
     for g in groups:
-        records, _ = group_records(g, _Task(), tokenizer, "binary")
+        records, _ = group_records(g, _Task(), tokenizer, "binary", stop_ids=engine.stop_ids)
         for samp, record in zip(g.samples, records, strict=True):
             per_token = record.token_versions()
             spanned += len(set(per_token.tolist())) > 1
@@ -301,7 +304,9 @@ def test_a_worker_killed_mid_update_loses_at_most_its_in_flight_answers(
     inserted: list[str] = []
 
     def insert(g: Group) -> None:
-        records, _ = group_records(g, _Task(), tokenizer, "binary", worker_id="doomed")
+        records, _ = group_records(
+            g, _Task(), tokenizer, "binary", stop_ids=engine.stop_ids, worker_id="doomed"
+        )
         ring.insert(records)
         inserted.append(g.key)
 

@@ -282,7 +282,12 @@ def test_a_chat_message_prompt_goes_through_the_chat_template_and_reaches_the_re
     first = prompts[0]
     assert first.raw == messages and first.metadata == {"id": "a", "answer": "7", "level": 2}
     grader = RewardFunction(f"{rewards}:exact")
-    assert grader.item(first, "7") == (messages, "7", {"id": "a", "answer": "7", "level": 2})
+    assert grader.item(first, "7") == (
+        messages,
+        "7",
+        {"id": "a", "answer": "7", "level": 2},
+        "stop",
+    )
     with pytest.raises(ValueError, match=r"task.prompt_field holds chat messages but the model's "
                        "tokenizer has no chat template"):  # fmt: skip
         read_prompts(rows, "messages", None, 64)

@@ -113,6 +113,9 @@ class Weights:
     def peek(self) -> int:
         return self.announced
 
+    def behind(self) -> bool:
+        return self.announced != self.engine.policy_version
+
     def load(self) -> int | None:
         if self.announced == self.engine.policy_version:
             return None
@@ -201,7 +204,11 @@ def test_a_new_version_loads_between_two_steps_and_answers_say_which_tokens_it_s
         if g not in spanned:
             assert all(sp.tolist() == [0, 1] for sp in g.spans)
     assert len(stats.update_delays) == 1 and stats.loads == 1
-    records = [r for g in spanned for r in group_records(g, Task(), FakeTokenizer(), "binary")[0]]
+    records = [
+        r
+        for g in spanned
+        for r in group_records(g, Task(), FakeTokenizer(), "binary", stop_ids=[EOS])[0]
+    ]
     for r in records:
         assert r.policy_version == 0  # the oldest version
         assert r.token_versions().tolist() == [0] * 11 + [1] * 19
@@ -282,9 +289,11 @@ def test_group_records_grade_and_transform_the_group():
         Sample(np.array([7, 7, EOS], np.int32), np.full(3, -0.1, np.float32), "stop"),
         Sample(np.array([7, EOS], np.int32), np.full(2, -0.1, np.float32), "stop"),
     ], [np.array([0, 3], np.int32), np.array([0, 3, 1, 4], np.int32)], 0.0)  # fmt: skip
-    records, raw = group_records(g, Task(), FakeTokenizer(), "group_mean", worker_id="w")
-    assert raw == [1.0, 0.0]
-    assert [r.reward for r in records] == [0.5, -0.5]  # centred within the group
+    records, raw = group_records(
+        g, Task(), FakeTokenizer(), "group_mean", stop_ids=[EOS], worker_id="w"
+    )
+    assert raw == [0.0, 1.0]  # (graded up to the stop token: 2 and 1 tokens)
+    assert [r.reward for r in records] == [-0.5, 0.5]  # centred within the group
     assert [r.policy_version for r in records] == [3, 3]
     assert records[0].version_spans.size == 0  # one version: absent
     assert records[1].token_versions().tolist() == [3, 4]

@@ -33,6 +33,7 @@ class Engine:
     def __init__(self, tok: object) -> None:
         self.tok = tok
         self.eos = int(tok.eos_token_id)  # type: ignore[attr-defined]
+        self.stop_ids = (self.eos,)
         self.digits = tok("12", add_special_tokens=False).input_ids  # type: ignore[operator]
         self.policy_version = 0
         self.inflight = "finish"
