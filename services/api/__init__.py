@@ -21,8 +21,12 @@ keys, which the learner, the workers and the launch driver follow between steps.
 Security: mutating endpoints need ``Authorization: Bearer <token>`` (the token from the
 environment variable ``api.token_env``, compared in constant time); ``serve`` refuses to start
 with an empty, default, short or low-entropy token (``token_problem``) unless ``dev``; reads
-need it too with ``auth_reads``. Bodies beyond ``max_body_bytes`` get 413. The listen address
-is loopback unless configured.
+(and ``/docs``, ``/openapi.json``) need it too with ``auth_reads``, by default whenever the API
+binds a non-loopback address, and ``/metrics`` there unless ``open_metrics``. Bodies beyond
+``max_body_bytes`` get 413. The listen address is loopback unless configured. A POSTed config
+reads local files only under ``models_dir``, names installed code only from the plugin list
+(checked in a throw-away process, ``reval.paths.check_isolated``), and the runs it launches get
+a scrubbed environment (``runs.run_env``).
 """
 
 from services.api.app import API_VERSION, create_app
