@@ -7,7 +7,7 @@ grading processes of ``rollout/verify.py``, through ``rollout/rewards.py``'s ``R
 | ``math_boxed`` | 1 when the last ``\\boxed{}`` equals the row's answer (math-verify: ``MathVerify``) | ``field`` ("answer"), ``require_think`` (false) |
 | ``exact_match`` | 1 when the stripped completion equals the row's answer | ``field`` ("answer"), ``ignore_case`` (false) |
 | ``regex_format`` | 1 when the completion matches a regular expression | ``pattern``, ``full`` (false: ``re.search``; true: ``re.fullmatch``) |
-| ``code_tests`` | the share of the row's tests the completion's code passes, run in a sandboxed subprocess | ``tests_field`` ("tests"), ``timeout_s`` (5), ``memory_mb`` (512) |
+| ``code_tests`` | the share of the row's tests the completion's code passes, run in the sandbox (``rollout/sandbox.py``) | ``tests_field`` ("tests"), ``timeout_s`` (3), ``memory_mb`` (512) |
 | ``http_reward`` | a reward served over HTTP (a reward model elsewhere), one POST per chunk of answers | ``url``, ``timeout_s`` (30), ``headers`` ({}), ``token_env`` |
 """  # noqa: E501
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Make sure the operations tools the tests use are installed: promtool and prometheus (the
 # Debian package `prometheus`: metrics, config and rules checks, the scrape test) and
-# docker-compose (validates docker-compose.yml; no Docker engine needed). Installs them with
+# docker-compose (validates docker-compose.yml; no Docker engine needed) and bubblewrap (`bwrap`:
+# the sandbox model-written code runs in, rollout/sandbox.py). Installs them with
 # apt-get when they are missing and this runs as root; fails loudly otherwise.
 set -euo pipefail
 missing=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
+command -v bwrap >/dev/null || missing+=(bubblewrap)
 if [[ ${#missing[@]} -eq 0 ]]; then
   exit 0
 fi

@@ -191,6 +191,18 @@ def _on_node(
     return {**service, "shm_size": SHM_SIZE, "volumes": list(GPU_VOLUMES), "deploy": _gpus(gpus)}
 
 
+SANDBOX_SECURITY_OPT = ("seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined")
+"""What a rollout worker needs for bubblewrap (rollout/sandbox.py, the sandbox model-written code
+runs in): Docker's default seccomp and AppArmor profiles refuse the user namespace and the
+mounts bwrap makes, and its masked /proc paths refuse a new /proc. No capability, not privileged:
+the sandbox itself holds the model code."""
+SANDBOX_NOTE = [
+    "# Rollout workers run model-written code under bubblewrap (rollout/sandbox.py): they get",
+    "# security_opt seccomp, apparmor and systempaths unconfined (Docker's defaults refuse the",
+    "# user namespace, mounts and /proc bwrap makes); no capability, not privileged.",
+]
+
+
 def _rollout(layout: Layout | CpuLayout, gpu: int) -> dict[str, Any]:
     service = {
         "image": "reval:cpu" if isinstance(layout, CpuLayout) else "reval:gpu",
@@ -207,6 +219,7 @@ def _rollout(layout: Layout | CpuLayout, gpu: int) -> dict[str, Any]:
         "networks": {"default": {"aliases": [ROLLOUT_ALIAS]}},
         "depends_on": {**REDIS_HEALTHY, "learner": {"condition": "service_started"}},
         "healthcheck": _health(_http_health(ROLLOUT_METRICS_PORT), "15s", "5s", 20, "600s"),
+        "security_opt": list(SANDBOX_SECURITY_OPT),
     }
     return _on_node(service, layout, [gpu])
 
@@ -441,6 +454,7 @@ def _header(layout: Layout | CpuLayout) -> list[str]:
             "# a registry: scripts/make_images.sh, then the REVAL_*_IMAGE variables it prints.",
             "# More workers: reval compose --cpu --workers N --out FILE, at the repository root.",
             "# tests/docker/test_stack.py runs this file under Docker (make test-docker).",
+            *SANDBOX_NOTE,
         ]
     learner = ",".join(map(str, layout.learner_ids()))
     rollout = ", ".join(f"rollout-{i} on {g}" for i, g in enumerate(layout.rollout_ids()))
@@ -463,6 +477,7 @@ def _header(layout: Layout | CpuLayout) -> list[str]:
         "# announces its weight hub at its container's address (REVAL__SYNC__BROADCAST_HOST=auto).",
         "# Everything but the GPUs is what docker-compose.cpu.yml runs under Docker in",
         "# tests/docker/test_stack.py; tests/e2e/test_compose.py starts the commands locally.",
+        *SANDBOX_NOTE,
     ]
 
 
