@@ -90,6 +90,8 @@ def test_live_run_over_rest(tmp_path, redis_url, redis_prefix):
         r = httpx.post(base, json={"config": config, "workers": 2}, headers=AUTH, timeout=30)
         assert r.status_code == 201, r.text
         pid = r.json()["pid"]
+        while not Path(f"/proc/{pid}/cmdline").read_bytes():  # (exec under way)
+            time.sleep(0.01)
         launched = Path(f"/proc/{pid}/environ").read_bytes().decode()
         assert TOKEN not in launched and SECRET not in launched  # scrubbed (run_env)
         assert "REVAL__REDIS__URL=" in launched

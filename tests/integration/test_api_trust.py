@@ -148,6 +148,11 @@ def test_a_launched_run_gets_a_scrubbed_environment(api_cfg, monkeypatch):
     assert r.status_code == 201, r.text
     pid = r.json()["pid"]
     try:
+        # (Popen returns when exec has begun: the new program's arguments and environment
+        # show in /proc a moment later)
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         raw = Path(f"/proc/{pid}/environ").read_bytes()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     finally:
