@@ -202,3 +202,30 @@ def test_a_reward_function_that_declares_finish_reason_receives_it(tmp_path):
     assert score_all(MathTask.verifier, [(Prompt("p", "q", "1"), "\\boxed{1}")], ["length"]) == [
         1.0
     ]
+
+
+def test_masked_truncated_answers_leave_grpos_group_baseline():
+    """GRPO with ``algo.mask_truncated``: a cut answer's advantage is 0 and it is not part of its
+    group's mean and std (before: its reward moved the others' advantages)."""
+    from buffer.records import Trajectory
+    from learner.losses import grpo_advantages
+    from learner.trainer import Learner
+    from reval.config import LearnerConfig, TinyModelConfig
+    from reval.policy import build_tiny_model
+
+    def traj(reward: float, reason: str) -> Trajectory:
+        resp = np.asarray([*ids("1"), EOS] if reason == "stop" else ids("12"), np.int32)
+        return Trajectory(prompt_ids=np.asarray(ids("1+0="), np.int32), response_ids=resp,
+                          logprobs=np.full(resp.size, -1.0, np.float32), reward_raw=reward,
+                          reward=reward, prompt_id="p", group_id="g",
+                          finish_reason=reason)  # type: ignore[arg-type]  # fmt: skip
+
+    batch = [traj(1.0, "stop"), traj(0.0, "stop"), traj(1.0, "length")]
+    model = build_tiny_model(TinyModelConfig(), len(TOK), int(TOK.pad_token_id), EOS, seed=1)  # type: ignore[arg-type]
+    learner = Learner(model, LearnerConfig(micro_batch_size=8),
+                      AlgoConfig(name="grpo", mask_truncated=True), int(TOK.pad_token_id),  # type: ignore[arg-type]
+                      EOS, torch.device("cpu"))  # fmt: skip
+    delta = learner.update(batch).delta
+    want = grpo_advantages(torch.tensor([1.0, 0.0]), ["g", "g"])
+    torch.testing.assert_close(delta[:2], want)
+    assert float(delta[2]) == 0.0

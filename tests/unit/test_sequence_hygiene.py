@@ -99,8 +99,9 @@ def test_too_long_prompts_skipped_counted_and_logged(
 
 
 def test_truncated_response_keeps_reward_and_finish_reason(policy) -> None:
-    """A response cut at max_new_tokens is terminal: its reward is the verifier's and its finish
-    reason is recorded (the paper); ``algo.mask_truncated`` decides whether it trains."""
+    """A response cut at max_new_tokens is terminal: its reward is 0 by default (never counted
+    as a full answer: ``algo.truncated_reward``) and its finish reason is recorded;
+    ``algo.mask_truncated`` decides whether it trains."""
     engine = HFEngine(policy.model, policy.pad_id, policy.eos_id)
     task = AdditionTask()
     params = SamplingParams(n=8, max_new_tokens=1)
@@ -108,10 +109,10 @@ def test_truncated_response_keeps_reward_and_finish_reason(policy) -> None:
                            reward_variant="binary", group_prefix="g")  # fmt: skip
     cut = [t for t in result.trajectories if t.finish_reason == "length"]
     assert cut and all(t.response_ids.size == 1 for t in cut)
-    for t in result.trajectories:  # the verifier's reward, as decoded
+    for t in result.trajectories:  # the verifier's reward, as decoded; 0 when cut
         text = policy.tokenizer.decode(t.response_ids, skip_special_tokens=True)
-        assert t.reward_raw == (1.0 if text.strip() == task.prompts[int(t.group_id[2:])].answer
-                                else 0.0)  # fmt: skip
+        right = text.strip() == task.prompts[int(t.group_id[2:])].answer
+        assert t.reward_raw == (1.0 if right and t.finish_reason == "stop" else 0.0)
 
     def loss(mask: bool) -> float:
         torch.manual_seed(0)

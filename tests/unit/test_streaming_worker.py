@@ -131,6 +131,8 @@ def test_a_streaming_worker_deals_grades_inserts_and_loads_in_flight(
     assert all(len(g) == 2 for g in groups.values())  # whole groups only
     versions = {v for t in records for v in t.token_versions().tolist()}
     assert versions == {1, 2}
+    # One entry per version (groups that sampled it), not one per group: bounded (issue 37).
+    assert set(w.stats.versions) == {1, 2} and sum(w.stats.versions.values()) >= len(groups)
     spanned = [t for t in records if t.version_spans.size > 2]
     assert spanned, "no answer spanned the in-flight load"
     for t in spanned:
