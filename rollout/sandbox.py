@@ -72,8 +72,9 @@ MARGIN_S = 1.0
 _mode = "bwrap"
 
 
-class SandboxUnavailable(RuntimeError):
-    """Model code cannot be run safely here (one line saying why)."""
+class SandboxUnavailable(ValueError):
+    """Model code cannot be run safely here (one line saying why). A ValueError, as a config
+    that cannot work here is: the commands print it as their one-line failure."""
 
 
 @dataclass(frozen=True)

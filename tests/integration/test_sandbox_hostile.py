@@ -255,3 +255,29 @@ def test_hostile_completions_score_zero_or_honest_and_leave_nothing(tmp_path):
     assert processes_with("_hide()") == []  # (no harness: its source is in its command line)
     assert out["_vmhwm_kb"] < MEMORY_CAP_MB * 1024, out["_vmhwm_kb"]
     assert time.monotonic() - t0 < 60
+
+
+def test_a_grading_process_killed_mid_answer_leaves_nothing():
+    """The pool's deadline kills the grading process (SIGKILL) while the code still runs:
+    ``--die-with-parent`` and the pid namespace take the whole sandbox with it."""
+    marker = f"reval-hostile-{secrets.token_hex(6)}"
+    grader = (
+        "from rollout import graders, sandbox\n"
+        "sandbox.preflight('bwrap')\n"
+        f"graders.run_tests('{marker} = 1\\nwhile True:\\n    pass\\n', ['assert 0'], 30.0)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", grader])
+    try:
+        deadline = time.monotonic() + 20
+        while not processes_with("_hide()") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sandboxed = [p for p in processes_with("_hide()") if p != proc.pid]
+        assert sandboxed, "the sandbox never started"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while processes_with("_hide()") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with("_hide()") == []
+    assert processes_with("_confine(") == []
