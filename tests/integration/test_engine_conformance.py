@@ -30,8 +30,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from reval.config import TinyModelConfig, load_config
-from reval.policy import build_char_tokenizer, build_tiny_model
+from reval.config import ModelConfig, TinyModelConfig, load_config
+from reval.policy import (
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    QWEN_CHAT_TEMPLATE,
+    build_char_tokenizer,
+    build_tiny_model,
+    load_policy,
+)
 from reval.weights.collective import BroadcastHub
 from reval.weights.receiver import build_subscriber
 from reval.weights.sender import WeightSender, build_sender
@@ -238,6 +246,53 @@ def test_finish_reasons_and_eos(
     for s in (s for samples in one for s in samples):
         assert len(s.token_ids) == 1
         assert s.finish_reason == ("stop" if s.token_ids[0] == eos else "length")
+
+
+@pytest.fixture(scope="module")
+def two_ends_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model saved with a Qwen-style tokenizer that declares two ends: EOS
+    ``<|endoftext|>``, and a chat template ending each turn with ``<|im_end|>`` (the project's
+    char tokenizer plus Qwen's special tokens and Qwen2.5's template; no hub)."""
+    tok = build_char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [ENDOFTEXT, IM_START, IM_END]})
+    tok.eos_token = ENDOFTEXT
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    model = build_tiny_model(SHAPE, len(tok), int(tok.pad_token_id), int(tok.eos_token_id), 0)  # type: ignore[arg-type]
+    path = tmp_path_factory.mktemp("two_ends")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=VLLM_MARKS)])
+def test_both_engines_stop_on_either_end_of_a_tokenizer_with_two_ends(
+    kind: str, two_ends_checkpoint: Path
+) -> None:
+    """The stop set (``reval.answers.stop_token_ids``) has both ends; the engine ends an answer
+    on either (finish reason ``stop``, the token kept last) and on nothing else."""
+    policy = load_policy(ModelConfig(name_or_path=str(two_ends_checkpoint), device="cpu"))
+    tok = policy.tokenizer
+    ends = tuple(tok.convert_tokens_to_ids([ENDOFTEXT, IM_END]))
+    assert policy.stop_ids == ends
+    if kind == "vllm":
+        engine: GenerationEngine = VLLMEngine(str(two_ends_checkpoint), seed=0, dtype="float32",
+                                              max_model_len=512, deterministic=True)  # fmt: skip
+    else:
+        engine = HFEngine(
+            policy.model.eval(), policy.pad_id, policy.eos_id, stop_ids=policy.stop_ids
+        )
+    try:
+        assert engine.stop_ids == ends
+        out = engine.generate(encode(tok, SHORT[:2]), SamplingParams(n=16, max_new_tokens=32), 5)
+    finally:
+        getattr(engine, "close", lambda: None)()
+    last = Counter()
+    for s in (s for samples in out for s in samples):
+        ids = s.token_ids.tolist()
+        assert not set(ids[:-1]) & set(ends)  # nothing runs past an end
+        assert s.finish_reason == ("stop" if ids[-1] in ends else "length")
+        last[ids[-1] if s.finish_reason == "stop" else "length"] += 1
+    assert last[ends[0]] and last[ends[1]], last  # (seeded: both ends were drawn)
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.6, 1.0), (1.3, 0.8)])
