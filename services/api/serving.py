@@ -32,6 +32,10 @@ def serve(cfg: ApiConfig, ray: bool = False, replicas: int = 1, access_log: bool
         return 2
     if cfg.dev and not token:
         log.warning("dev mode with no token: every mutating request is refused (403)")
+    guarded = [what for what, need in (("reads, /docs and /openapi.json", cfg.reads_need_token()),
+                                       ("/metrics", cfg.metrics_need_token())) if need]  # fmt: skip
+    log.info("on %s: the token guards writes%s", cfg.host,
+             "".join(f", {g}" for g in guarded))  # fmt: skip
     if ray:
         run_on_ray(cfg, replicas)
         return 0
