@@ -1044,8 +1044,9 @@ class ApiConfig(BaseModel):
     ``REVAL_API__MODELS_DIR``."""
     plugins: list[str] = Field(default_factory=list)
     """Installed code a POSTed ``task.reward`` or ``task.environment`` may name by module,
-    beyond the built-in graders (``rollout.graders:*``) and environments: ``pkg.mod:name``, or
-    ``pkg.mod:*`` for every public name the module defines. Nothing else is imported over REST
+    beyond the built-in graders (``reval.plugins.BUILTIN_PLUGINS``) and environments:
+    ``pkg.mod:name``, or ``pkg.mod:*`` for the names of the module's ``__all__`` (without one,
+    the public names it defines itself). Nothing else is imported over REST
     (``reval train`` and the CLI take any import path). ``--plugin`` (repeatable),
     ``REVAL_API__PLUGINS`` (comma-separated)."""
     token_env: str = "REVAL_API_TOKEN"

@@ -214,9 +214,10 @@ def check_isolated(
     """``check_reward`` (with ``reward_args``) or, without them, ``load_callable`` of ``spec``,
     run in a throw-away Python process: an environment of ``PATH``, ``PYTHONPATH`` (the project)
     and a locale only (no secret), no input or output, ``timeout_s`` at most, killed with its
-    process group after. ``own_names_only``: the name must be defined by its module (a
-    ``module:*`` listing), not imported into it. Raises ``PluginRefused`` with one generic line
-    that never repeats what the import raised or printed (no probe of what is installed)."""
+    process group after. ``own_names_only`` (a ``module:*`` listing): the name must be in the
+    module's ``__all__``, or without one defined by the module, not imported into it. Raises
+    ``PluginRefused`` with one generic line that never repeats what the import raised or
+    printed (no probe of what is installed)."""
     import json
     import signal
     import subprocess
@@ -306,7 +307,7 @@ def _isolated_check() -> None:
         target = getattr(module, name, None) if hasattr(module, name) else None
         if not hasattr(module, name):
             why = "missing"
-        elif request["own"] and getattr(target, "__module__", None) != module.__name__:
+        elif request["own"] and not _exported(module, name, target):
             why = "foreign"
         elif not callable(target):
             why = "uncallable"
@@ -317,6 +318,15 @@ def _isolated_check() -> None:
                 why, detail = "signature", str(err).rpartition("): ")[2][:200]
     os.write(fd, json.dumps([why, detail]).encode())
     os._exit(0)  # (no atexit of the imported code runs)
+
+
+def _exported(module: Any, name: str, target: Any) -> bool:
+    """Whether ``module`` offers ``name`` as its own: in its ``__all__`` when it has one, else
+    defined by it (not imported into it)."""
+    exported = getattr(module, "__all__", None)
+    if isinstance(exported, list | tuple):
+        return name in exported
+    return getattr(target, "__module__", None) == module.__name__
 
 
 def check_run_paths(

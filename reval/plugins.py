@@ -77,9 +77,13 @@ def load_callable(spec: str, field: str) -> Any:
     return target
 
 
-BUILTIN_PLUGINS = ("rollout.graders:*",)
-"""What a REST client may always name by module (``task.reward``): the built-in graders. The
-API's ``api.plugins`` adds to it; ``reval train`` and the CLI need no list."""
+BUILTIN_PLUGINS = tuple(
+    f"rollout.graders:{name}"
+    for name in ("math_boxed", "exact_match", "regex_format", "code_tests", "http_reward")
+)
+"""What a REST client may always name by module (``task.reward``): the built-in graders (the
+table of ``rollout/graders.py``, by name: that module's helpers are not rewards). The API's
+``api.plugins`` adds to it; ``reval train`` and the CLI need no list."""
 
 
 class PluginRefused(ValueError):
@@ -88,9 +92,10 @@ class PluginRefused(ValueError):
 
 def listed(spec: str, allowlist: tuple[str, ...] | list[str]) -> str | None:
     """How ``spec`` (``module:name``) is on ``allowlist`` (entries ``module:name`` or
-    ``module:*``): ``"name"`` (named), ``"module"`` (by ``*``: a public name the module must
-    define itself, checked when imported), or None (not on it; also for a dotted or private
-    name under ``*``). Never imports anything."""
+    ``module:*``): ``"name"`` (named), ``"module"`` (by ``*``: a name of the module's
+    ``__all__``, or without one a public name the module defines itself, checked when
+    imported), or None (not on it; also for a dotted or private name under ``*``). Never
+    imports anything."""
     module, name = split_spec(spec)
     found = None
     for entry in allowlist:

@@ -63,9 +63,10 @@ def test_installed_modules_off_the_list_are_refused_unimported_and_unprobed(clie
             assert leaked not in text, (spec, r.text)
     assert "antigravity" not in sys.modules  # refused by the list: never imported here
     assert client.get("/v1/runs/hostile").status_code == 404
-    # Under the built-in graders' "*": public names the module defines, nothing it imports.
+    # The built-in graders by name: not the module's helpers, nothing it imports.
     for spec in ("rollout.graders:os", "rollout.graders:subprocess", "rollout.graders:_HARNESS",
-                 "rollout.graders:os.system", "rollout.graders:json"):  # fmt: skip
+                 "rollout.graders:os.system", "rollout.graders:json",
+                 "rollout.graders:run_tests"):  # fmt: skip
         r = create(client, "hostile", {"reward": spec})
         assert r.status_code == 422, (spec, r.text)
     r = create(client, "builtin", {"reward": "rollout.graders:exact_match"})
