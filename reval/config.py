@@ -259,7 +259,8 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
     max_new_tokens: int = Field(8, ge=1)
-    """Longest answer; a truncated answer is terminal and scored by the verifier."""
+    """Longest answer; a truncated answer is terminal (what it earns: ``algo.truncated_reward``,
+    ``algo.overlong_penalty_tokens``)."""
     worker_prompts: int | None = Field(None, ge=1)
     """Prompts a rollout worker takes per generation batch (default: ``prompts_per_round``)."""
     heartbeat_s: float = Field(5.0, gt=0)
@@ -737,6 +738,12 @@ class RunConfig(_Section):
                 f"its first batch: it needs {need} trajectories held (learner.batch_size, "
                 f"buffer.min_size_to_sample), samples_per_insert x {need} = "
                 f"{self.samples_per_insert * need:g} samples ahead; raise it, or leave it unset"
+            )
+        if self.algo.overlong_penalty_tokens >= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algo.overlong_penalty_tokens ({self.algo.overlong_penalty_tokens}) must be "
+                f"below rollout.max_new_tokens ({self.rollout.max_new_tokens}): DAPO's penalty "
+                "starts that many tokens before the limit"
             )
         if self.algo.on_policy and self.buffer.prioritized:
             raise ValueError(

@@ -229,3 +229,13 @@ def test_masked_truncated_answers_leave_grpos_group_baseline():
     want = grpo_advantages(torch.tensor([1.0, 0.0]), ["g", "g"])
     torch.testing.assert_close(delta[:2], want)
     assert float(delta[2]) == 0.0
+
+
+def test_the_overlong_penalty_starts_before_the_token_limit():
+    from reval.config import ConfigError, load_config
+
+    cfg = load_config(overrides=["algo.overlong_penalty_tokens=2"], environ={})
+    assert cfg.algo.overlong_penalty_tokens == 2 < cfg.rollout.max_new_tokens
+    with pytest.raises(ConfigError, match="overlong_penalty_tokens"):
+        load_config(overrides=["algo.overlong_penalty_tokens=8", "rollout.max_new_tokens=8"],
+                    environ={})  # fmt: skip
