@@ -14,6 +14,7 @@ import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from reval.config import RolloutConfig, TaskConfig
 from reval.paths import check_dataset
 from rollout.task_types import Prompt, Verifier
 from rollout.verify import MathVerify, PooledVerifier
+from rollout.warm_start import WarmStart
 
 log = logging.getLogger("reval.math")
 
@@ -203,22 +205,28 @@ class MathTask:
         return task
 
     def pretrain_texts(self, rng: Any, count: int) -> list[str]:
-        """Each prompt followed by the boxed answer of another prompt whose answer has the same
-        shape (``answer_shape``): the answer format, not the answers (RL starts near chance, as
-        the built-in tasks' pretraining does)."""
-        by_shape: dict[str, list[str]] = {}
-        for p in self.prompts:
-            by_shape.setdefault(answer_shape(p.answer), []).append(p.answer)
-        return [
-            f"{p.text} \\boxed{{{rng.choice(by_shape[answer_shape(p.answer)])}}}"
-            for p in rng.sample(self.prompts, min(count, len(self.prompts)))
-        ]
+        """Each prompt followed by the boxed answer of another prompt, of the same shape
+        (``answer_shape``) where one grades wrong: the answer format, never a right answer (every
+        pairing is graded by the task's verifier first: ``rollout/warm_start.py``), so RL starts
+        near chance, as the built-in tasks' pretraining does."""
+        return self.warm_start.texts(rng, count)
+
+    @cached_property
+    def warm_start(self) -> WarmStart:
+        return WarmStart(self.prompts, self.verifier, boxed, answer_shape)
+
+
+def boxed(answer: str) -> str:
+    """The response the format pretraining writes after a math prompt."""
+    return f" \\boxed{{{answer}}}"
 
 
 _DIGITS = re.compile(r"\d+")
 
 
 def answer_shape(answer: str) -> str:
-    """An answer with every run of digits read as one digit: ``\\frac{3}{4}`` and
-    ``\\frac{1}{12}`` share a shape, ``-4`` and ``x+4`` do not."""
-    return _DIGITS.sub("0", answer)
+    """An answer's format: every run of digits read as one digit, every letter as ``a``.
+    ``\\frac{3}{4}`` and ``\\frac{1}{12}`` share a shape, ``-4`` and ``x+4`` do not; letters-only
+    answers of one length share one (``olleh`` and ``dlrow``: a "reverse the word" task pairs a
+    word with another word of its length, not with its own answer)."""
+    return "".join("a" if ch.isalpha() else ch for ch in _DIGITS.sub("0", answer))

@@ -41,6 +41,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from reval.config import RolloutConfig, TaskConfig
@@ -48,6 +49,7 @@ from reval.paths import load_reward
 from rollout.math_task import TaskMetrics, answer_shape, read_rows
 from rollout.task_types import Prompt, Verifier
 from rollout.verify import Graded, PooledVerifier, Precheck
+from rollout.warm_start import WarmStart
 
 log = logging.getLogger("reval.rewards")
 
@@ -332,13 +334,13 @@ class CustomTask:
         return task
 
     def pretrain_texts(self, rng: Any, count: int) -> list[str]:
-        """Each prompt followed by the ``answer`` column of another row whose answer has the
-        same shape (``math_task.answer_shape``), when the rows have one: the answer format, not
-        the answers; the prompts alone otherwise."""
-        by_shape: dict[str, list[str]] = {}
-        for p in self.prompts:
-            by_shape.setdefault(answer_shape(p.answer), []).append(p.answer)
-        return [
-            p.text + rng.choice(by_shape[answer_shape(p.answer)])
-            for p in rng.sample(self.prompts, min(count, len(self.prompts)))
-        ]
+        """Each prompt followed by the ``answer`` column of another row, of the same shape
+        (``math_task.answer_shape``) where one grades wrong: the answer format, never an answer
+        the reward grades right (every pairing is graded by the task's reward first:
+        ``rollout/warm_start.py``); the prompt alone where none is wrong or there is no
+        ``answer`` column."""
+        return self.warm_start.texts(rng, count)
+
+    @cached_property
+    def warm_start(self) -> WarmStart:
+        return WarmStart(self.prompts, self.verifier, str, answer_shape)

@@ -22,6 +22,7 @@ import torch
 from reval.config import RolloutConfig, TaskConfig
 from reval.policy import Policy
 from rollout.task_types import Prompt, Task, Verifier
+from rollout.warm_start import WRONG_BELOW
 
 
 class ExactMatch:
@@ -47,13 +48,17 @@ class AdditionTask:
         ]
 
     def pretrain_texts(self, rng: random.Random, count: int) -> list[str]:
-        # Right format, answer drawn uniformly from the answer range: the pretrained model knows
-        # how an answer looks, not which one is right (chance success ~ 1 / (2 * max + 1)).
-        top = 2 * self.max_operand
+        """Right format, the answer drawn uniformly from the answer range among those the task's
+        verifier grades wrong (never the sum, even by chance: ``rollout/warm_start.py``): the
+        pretrained model knows how an answer looks, not which one is right."""
+        n, top = self.max_operand + 1, 2 * self.max_operand
         out = []
         for _ in range(count):
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            out.append(f"{a}+{b}={rng.randint(0, top)}")
+            prompt = self.prompts[rng.randrange(n * n)]
+            answer = str(rng.randint(0, top))
+            while self.verifier.score(prompt, answer) >= WRONG_BELOW:
+                answer = str(rng.randint(0, top))
+            out.append(prompt.text + answer)
         return out
 
 
@@ -90,6 +95,8 @@ class OneShotTask:
         self.verifier = AcceptSet(self.order[: max(1, round(self.base_success * 100))])
 
     def pretrain_texts(self, rng: random.Random, count: int) -> list[str]:
+        """Every code alike. No code is right yet: ``calibrate`` chooses the accepted ones
+        after the pretraining, against the pretrained policy, for the set base success."""
         return [f"code:{rng.choice(ONESHOT_CODES)}" for _ in range(count)]
 
     def calibrate(self, policy: Policy) -> float:

@@ -129,9 +129,12 @@ def make_model(
         policy = Policy(model, tokenizer, torch.device("cpu"))
         task = MathTask.from_rows(rows, template, tokenizer)
         info["pretrain_steps"] = pretrain_steps
-        info["pretrain_loss"] = pretrain(
-            policy, task.pretrain_texts, pretrain_steps, pretrain_lr, pretrain_batch_size, seed
-        )
+        try:  # (the pairings are graded by the task's math-verify pool first)
+            info["pretrain_loss"] = pretrain(
+                policy, task.pretrain_texts, pretrain_steps, pretrain_lr, pretrain_batch_size, seed
+            )
+        finally:
+            task.verifier.close()  # type: ignore[attr-defined]
     model.save_pretrained(out)
     (out / "make_model.json").write_text(json.dumps(info, indent=2) + "\n")
     log.info("checkpoint written: %s", json.dumps(info))

@@ -45,6 +45,9 @@ def build_policy_and_task(
             cfg.model.pretrain_batch_size,
             cfg.seed,
         )
+        warm = getattr(task, "warm_start", None)  # (a dataset task's graded pairings)
+        if warm is not None and warm.built:
+            info["pretrain_prompts_unpaired"] = float(warm.unpaired)
     if isinstance(task, OneShotTask):
         info["oneshot_base_success"] = task.calibrate(policy)
     return policy, task, info
@@ -94,6 +97,9 @@ def prepare_learner(cfg: RunConfig, resume: bool) -> RunConfig:
     if not (needs_pretrain or needs_task):
         return cfg
     policy, task, info = build_policy_and_task(cfg)
+    close = getattr(task.verifier, "close", None)
+    if close is not None:  # (the pretraining's grading pool: the ranks and workers grade)
+        close()
     if needs_pretrain:
         path.mkdir(parents=True, exist_ok=True)
         policy.model.save_pretrained(path)  # type: ignore[operator]

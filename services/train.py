@@ -41,6 +41,9 @@ from services.setup import build_policy_and_task, exact_success
 
 log = logging.getLogger("reval.train")
 
+LEAK_SUSPECT = 0.5
+"""Success before RL above this, on a tiny model pretrained by reval, is warned about."""
+
 
 @dataclass
 class TrainResult:
@@ -145,6 +148,8 @@ class EmbeddedRun:
     episodes: EpisodeRunner | None
     params: SamplingParams
     history: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What the run warned about (``summary.json``)."""
     t_start: float = field(default_factory=time.perf_counter)
 
     @classmethod
@@ -217,14 +222,29 @@ class EmbeddedRun:
             self.progress(record)
 
     def start(self) -> float:
-        """The initial policy's success, as round 0's record."""
+        """The initial policy's success (before any RL step), as round 0's record; a warning
+        when reval's own format pretraining of the tiny model left it suspiciously high."""
         initial = self.evaluate(0)
         self.prepared.metrics.success.set(initial)
         record0 = {"round": 0, "eval_success": initial, "policy_version": 0, **self.prepared.info}
+        if self.warm_start_leaks(initial):
+            self.warnings.append(
+                f"success before RL is {initial:.3f} after reval's format pretraining of the tiny "
+                f"model ({self.cfg.model.pretrain_steps} steps): the warm start may leak answers "
+                "(docs/tasks.md, the format pretraining)"
+            )
+            log.warning(self.warnings[-1])
         if self.exact is not None:
             record0["success_exact"] = self.exact()
         self.emit(record0)
         return initial
+
+    def warm_start_leaks(self, success: float) -> bool:
+        """Success before RL above ``LEAK_SUSPECT`` on a tiny model that reval pretrained: a
+        model that has read only the answer format answers at about chance."""
+        model = self.cfg.model
+        pretrained = model.name_or_path is None and model.pretrain_steps > 0
+        return pretrained and self.cfg.task.kind != "oneshot" and success > LEAK_SUSPECT
 
     @property
     def updates_per_round(self) -> int:
@@ -327,12 +347,15 @@ class EmbeddedRun:
 
             plot_curve(history, cfg.paths.curve, title=f"{cfg.name}: {cfg.algo.name}")
         summary = {
-            "initial_success": initial,
+            "success_before_rl": initial,
             "final_success": success,
             "rounds": history[-1]["round"],
             "success_exact": history[-1].get("success_exact"),
             "policy_version": self.learner.step,
             "skipped_steps": self.learner.skipped_steps,
+            "pretrain_steps": cfg.model.pretrain_steps if cfg.model.name_or_path is None else 0,
+            **{k: history[0][k] for k in ("pretrain_prompts_unpaired",) if k in history[0]},
+            "warnings": self.warnings,
         }
         cfg.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
         return TrainResult(cfg.run_dir, history, initial, success, ckpt)
