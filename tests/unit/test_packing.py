@@ -37,6 +37,10 @@ from reval.policy import build_tiny_model
 PAD, EOS, VOCAB = 0, 1, 40
 CPU = torch.device("cpu")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+GRAD_TOL = {"atol": 1e-5, "rtol": 1e-4}
+"""Gradients sum over every token of the batch, in another order when packed: with transformers
+5.24 one of 2,560 entries of the varlen-sdpa case differed by 1.3e-5 (relative 6.7e-5); a
+packing bug (a token attending across sequences) moves them by orders of magnitude more."""
 
 
 ATTENTION = ["sdpa", "eager", VARLEN_SDPA]
@@ -114,7 +118,7 @@ def test_packed_stats_equal_padded(attn, runs):
         if stats_of is padded:
             g = [p.grad.clone() for p in model.parameters()]
     for p, q in zip(model.parameters(), g, strict=True):
-        torch.testing.assert_close(p.grad, q, **TOL)
+        torch.testing.assert_close(p.grad, q, **GRAD_TOL)
     with torch.no_grad():  # whatever the implementation, padded batches are as with sdpa
         torch.testing.assert_close(policy_stats(tiny(), padded).logp, a.logp, **TOL)
 
