@@ -326,7 +326,7 @@ def _exported(module: Any, name: str, target: Any) -> bool:
     exported = getattr(module, "__all__", None)
     if isinstance(exported, list | tuple):
         return name in exported
-    return getattr(target, "__module__", None) == module.__name__
+    return bool(getattr(target, "__module__", None) == module.__name__)
 
 
 def check_run_paths(

@@ -63,7 +63,9 @@ _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 # The solution's process (model code): its first frame is the limits, its second the source.
 # After the source has run, it answers frames ``(name, args, kwargs)`` with ``("ok", value)``,
 # ``("raise", exception name)`` or ``("bad", type name)``; all of it is hostile to the harness.
-_SOLUTION = sandbox.CONFINE + r"""
+_SOLUTION = (
+    sandbox.CONFINE
+    + r"""
 import ast, os, struct, sys
 rx, tx = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
 os.dup2(2, 1)
@@ -108,10 +110,13 @@ while (req := _frame()) is not None:
         continue
     _send(("ok", value) if _plain(value) else ("bad", type(value).__name__))
 """
+)
 
 # The harness (trusted; pid 1 of the sandbox): runs each test in its own process, with the
 # solution's functions as proxies that return only plain values parsed by ``ast.literal_eval``.
-_HARNESS = sandbox.HIDE + r"""
+_HARNESS = (
+    sandbox.HIDE
+    + r"""
 _hide()
 import ast, json, os, struct, subprocess, sys
 nonce, fd = sys.stdin.buffer.readline().split()
@@ -190,6 +195,7 @@ for i, test in enumerate(job["tests"]):
         say("test", i, 0)
 say("end")
 """
+)
 
 
 def code_tests(
