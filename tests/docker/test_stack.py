@@ -223,6 +223,42 @@ def test_prometheus_scrapes_the_learner_and_both_workers(stack: Stack) -> None:
     assert rows and float(rows[0]["value"][1]) > 0
 
 
+# Run in a worker's container: code_tests through the sandbox there (bwrap under the compose
+# file's security_opt): a correct solution, a forged verdict, and a solution that adds only
+# when it can read the container's secret (the Redis URL with its password) in some process's
+# environment, which the probe first checks is there to be read outside the sandbox.
+SANDBOX_PROBE = r"""
+import json, os
+from rollout.graders import code_tests
+assert "REVAL__REDIS__URL" in os.environ
+tests = {"tests": ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]}
+good = "def add(a, b):\n    return a + b\n"
+forged = "print('REVAL_PASSED 300 1')\nimport os\nos._exit(0)\n"
+leak = (
+    "def add(a, b):\n"
+    "    import glob\n"
+    "    for p in glob.glob('/proc/*/environ'):\n"
+    "        try:\n"
+    "            if b'REVAL__REDIS__URL' in open(p, 'rb').read():\n"
+    "                return a + b\n"
+    "        except OSError:\n"
+    "            pass\n"
+)
+print(json.dumps({k: code_tests(None, c, tests)["score"]
+                  for k, c in (("good", good), ("forged", forged), ("leak", leak))}))
+"""
+
+
+def test_a_worker_container_grades_code_in_its_sandbox(stack: Stack) -> None:
+    done = subprocess.run(
+        ["docker", "exec", stack.container("rollout-0"), "python", "-c", SANDBOX_PROBE],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    scores = json.loads(done.stdout.strip().splitlines()[-1])
+    assert scores == {"good": 1.0, "forged": 0.0, "leak": 0.0}, scores
+
+
 def test_reval_runs_pauses_resumes_sets_and_scales(stack: Stack) -> None:
     assert stack.runs("pause", RUN)["action"] == "pause"
     wait_for(lambda: stack.run_info().get("phase") == "paused", 60, "the pause")
