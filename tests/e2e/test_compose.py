@@ -202,12 +202,14 @@ def test_compose_services_run_as_local_processes(tmp_path, redis_url, redis_pref
                      f"readiness on {port}", listed)  # fmt: skip
             assert get(f"http://127.0.0.1:{port}/healthz") == 200
             assert "reval_" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        # The learner registered its run for the API; it trains.
-        run = wait_for(lambda: (r := httpx.get(f"{api}/v1/runs/composed")).status_code == 200
-                       and (r.json().get("step") or 0) >= 3 and r.json(), 240, "3 updates",
-                       listed)  # fmt: skip
-        assert run["phase"] == "running" and len(run["workers"]) == 1
+        # The API binds 0.0.0.0 in the compose file: its reads need the token there.
         auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(f"{api}/v1/runs/composed").status_code == 401
+        # The learner registered its run for the API; it trains.
+        run = wait_for(lambda: (r := httpx.get(f"{api}/v1/runs/composed", headers=auth))
+                       .status_code == 200 and (r.json().get("step") or 0) >= 3 and r.json(),
+                       240, "3 updates", listed)  # fmt: skip
+        assert run["phase"] == "running" and len(run["workers"]) == 1
         r = httpx.patch(f"{api}/v1/runs/composed/hparams", json={"lr": 1e-4}, headers=auth)
         assert r.status_code == 202
         wait_for(lambda: any(row.get("lr") == 1e-4 for row in
@@ -217,7 +219,7 @@ def test_compose_services_run_as_local_processes(tmp_path, redis_url, redis_pref
         for name in ("learner", "rollout-0"):
             procs[name].wait(180)
             assert procs[name].returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-        final = httpx.get(f"{api}/v1/runs/composed").json()
+        final = httpx.get(f"{api}/v1/runs/composed", headers=auth).json()
         assert final["phase"] == "stopped" and final["workers"] == []
     finally:
         for p in procs.values():

@@ -36,13 +36,16 @@ def test_a_posted_environment_is_confined_and_checked(api_cfg, monkeypatch, tmp_
     assert r.json()["detail"][0]["loc"] == ["body", "config", "task", "environment"]
     assert not marker.exists()  # the file outside models_dir never ran
     for name, env, words in (
-        ("r2", f"{models / 'broken.py'}:Env", "No module named 'no_such_module_xyz'"),
-        ("r3", "rollout.calculator:NoSuchEnv", "has no 'NoSuchEnv'"),
+        # (a generic line: the import's own error is never repeated, no probe of what is
+        # installed; docs/api.md, "Security")
+        ("r2", f"{models / 'broken.py'}:Env", "cannot be imported here"),
+        ("r3", "rollout.calculator:NoSuchEnv", "is not on this API's plugin list"),
     ):
         r = post(name, env)
         assert r.status_code == 422, r.text
         detail = r.json()["detail"][0]
         assert detail["loc"] == ["body", "config", "task", "environment"]
         assert detail["msg"].startswith("task.environment:") and words in detail["msg"]
+        assert "no_such_module_xyz" not in detail["msg"]
     assert post("r4", f"{models / 'good.py'}:Env").status_code == 201
     assert post("r5", "calculator").status_code == 201

@@ -40,6 +40,10 @@ def test_a_worker_plays_episodes_and_counts_the_skipped(tmp_path: Path, redis_ur
         tmp_path, redis_url, redis_prefix,
         f"task.environment={env}:Hinting", "task.max_turns=3", "task.max_episode_tokens=40",
         "rollout.worker_prompts=4",
+        # The random model's turns run to rollout.max_new_tokens; an episode whose last turn
+        # was cut earns 0 by default (algo.truncated_reward): here the environment's rewards
+        # are what is checked, so they stand as it gave them.
+        "algo.truncated_reward=graded",
     )  # fmt: skip
     publish(cfg, 0)
     worker = RolloutWorker(cfg, "wenv")
