@@ -15,8 +15,11 @@ environment (bwrap itself is started with none: its ``/proc/<pid>/environ`` woul
 hold the grader's), read-only binds of ``/usr``, ``/lib``, ``/lib64`` (the C library) and the
 interpreter's ``sys.base_prefix`` (its standard library; never a venv's site-packages, the repo
 or the home directory) and nothing else of the host, a read-only root, a ``/tmp`` tmpfs of
-``Limits.tmpfs_mb`` that is the working directory and the only place it can write, a fresh
-``/proc`` and a minimal ``/dev``. Nothing is written on the host: no temporary directory.
+``Limits.tmpfs_mb`` that is the working directory and the only place it can write, a minimal
+``/dev`` and no ``/proc`` at all: nothing inside needs it, nothing there can be read, and in a
+container a new procfs cannot be mounted under Docker's masked paths (``Can't mount proc``)
+unless ``--security-opt systempaths=unconfined``, which compose files cannot give. Nothing is
+written on the host: no temporary directory.
 
 The harness confines the process that runs model code with ``CONFINE`` before that code runs:
 rlimits (CPU seconds, address space, file size, open files, processes, no core files) and a
@@ -252,8 +255,6 @@ def _bwrap_argv(bwrap: str, limits: Limits) -> list[str]:
         "/tmp",
         "--chdir",
         "/tmp",
-        "--proc",
-        "/proc",
         "--dev",
         "/dev",
         "--remount-ro",

@@ -59,12 +59,7 @@ print(json.dumps(out))
 # land at offset 0 of every file any process of the user holds open.
 GUARD = """
 import os
-def _harness(pid):
-    try:
-        return "_hide()" in open(f"/proc/{pid}/cmdline").read()
-    except OSError:
-        return False
-SANDBOXED = os.getuid() == 65534 and os.getppid() == 1 and _harness(1)
+SANDBOXED = os.getuid() == 65534 and os.getppid() == 1 and not os.path.exists("/proc/self")
 """
 
 
@@ -86,8 +81,14 @@ for path in glob.glob("/proc/self/fd/*") + (glob.glob("/proc/1/fd/*") if SANDBOX
             os.close(fd)
     except OSError:
         pass
+for fd in range(64) if SANDBOXED else ():  # (no /proc in the sandbox: every descriptor held)
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.write(fd, forged)
+    except OSError:
+        pass
 def add(a, b):
-    return 0
+    return a + b + 1
 """
     )
     environ = r"""
