@@ -10,7 +10,9 @@ What ``run`` does (``mode="bwrap"``, the default, ``rollout.sandbox``): a truste
 (the caller's harness) runs under bubblewrap with every namespace unshared (no network: a new
 network namespace where 127.0.0.1 refuses; its own pid namespace, where the harness is pid 1,
 so ``kill(-1, 9)`` cannot reach it; its own user namespace, uid/gid 65534 inside, no
-capabilities, no further user namespaces), ``--die-with-parent``, ``--new-session``, an empty
+capabilities; the model code's seccomp filter refuses it any further namespace: bwrap's
+``--disable-userns`` writes ``/proc/sys/user/max_user_namespaces``, read-only in a container),
+``--die-with-parent``, ``--new-session``, an empty
 environment (bwrap itself is started with none: its ``/proc/<pid>/environ`` would otherwise
 hold the grader's), read-only binds of ``/usr``, ``/lib``, ``/lib64`` (the C library) and the
 interpreter's ``sys.base_prefix`` (its standard library; never a venv's site-packages, the repo
@@ -114,14 +116,16 @@ class Outcome:
 CONFINE = r'''
 def _confine(cpu_s, memory_mb, file_mb, open_files):
     """Rlimits, then a seccomp filter: no new process (fork, vfork, clone without
-    CLONE_THREAD; clone3 answers ENOSYS so threads fall back to clone). Fails closed."""
+    CLONE_THREAD; clone3 answers ENOSYS so threads fall back to clone) and no new namespace
+    (unshare, setns: EPERM). Fails closed."""
     import ctypes, os, platform, resource, struct
     R = resource
     for what, value in ((R.RLIMIT_CPU, cpu_s), (R.RLIMIT_AS, memory_mb << 20),
                         (R.RLIMIT_FSIZE, file_mb << 20), (R.RLIMIT_NOFILE, open_files),
                         (R.RLIMIT_NPROC, 0), (R.RLIMIT_CORE, 0)):
         R.setrlimit(what, (value, value))
-    arches = {"x86_64": (0xC000003E, (57, 58), 56), "aarch64": (0xC00000B7, (), 220)}
+    arches = {"x86_64": (0xC000003E, (57, 58, 272, 308), 56),
+              "aarch64": (0xC00000B7, (97, 268), 220)}
     audit, forks, clone = arches[platform.machine()]
     ALLOW, KILL = 0x7FFF0000, 0x80000000
     EPERM, ENOSYS = 0x00050000 | 1, 0x00050000 | 38
@@ -233,7 +237,6 @@ def _bwrap_argv(bwrap: str, limits: Limits) -> list[str]:
         bwrap,
         "--unshare-all",
         "--unshare-user",
-        "--disable-userns",
         "--die-with-parent",
         "--new-session",
         "--as-pid-1",

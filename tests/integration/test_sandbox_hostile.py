@@ -185,6 +185,11 @@ def filled():
             ["assert inside()"],
         ),
         "forged_line": (forge_everywhere, TESTS),
+        "new_user_namespace": (
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "got = libc.unshare(0x10000000)\ndef unshared():\n    return got\n",
+            ["assert unshared() == 0"],
+        ),
         "forged_line_then_exit": ('print("REVAL_PASSED 300 1")\nimport os\nos._exit(0)\n', TESTS),
         "always_equal": (
             "class Yes:\n    def __eq__(self, other):\n        return True\n"
