@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import shutil
 
 import pytest
 from pydantic import ValidationError
@@ -69,7 +68,6 @@ def test_unsafe_mode_is_explicit_warns_at_every_start_and_marks_every_answer(
     assert set(glob.glob("/tmp/reval-unsafe-*")) == before
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 def test_sandboxed_answers_carry_no_unsafe_mark_and_the_deadline_fits_the_pools():
     grader = RewardFunction(CODE, {"timeout_s": 2.0}, timeout=3.0)
     got = graded(grader, RIGHT)
