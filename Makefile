@@ -106,6 +106,25 @@ clean:
 gpu-smoke: $(STAMP)
 	$(BIN)/python -m pytest -q -s -m gpu tests/gpu
 
+# `make gpu-check` (docs/learner.md, "make gpu-check"): on a machine with one GPU and no network,
+# with the machine's python3 (no .venv there) and the wheels it lacks from .whl/ (filled here
+# beforehand by `../shared/tools/gpu_wheels.sh pytest-timeout`), the gpu tests and every GPU
+# benchmark that owes a figure in at most 8 minutes, into one JSON (benchmarks/gpu_check.py);
+# benchmarks/gpu_tables.py turns it into docs/learner.md's tables. `make gpu-check DRY=1` (or
+# `make gpu-check-dry`): the same steps on the CPU at the smallest shapes, under a minute here.
+GPU_PY ?= python3
+GPU_CHECK_OUT ?= runs/gpu_check/gpu_check.json
+.PHONY: gpu-check gpu-check-dry
+ifeq ($(DRY),1)
+gpu-check: gpu-check-dry
+else
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
+endif
+
+gpu-check-dry: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py --device cpu --out $(GPU_CHECK_OUT)
+
 # The peers lane (docs/peers.md), the last of `make test`: a venv with trl (about 3 min to build
 # from the pip cache), then the numerical cross-check with TRL and the benchmark's smoke run.
 .PHONY: venv-peers test-peers

@@ -1,4 +1,5 @@
-"""Hand-run benchmark of the math verifier (``rollout/verify.py``).
+"""Hand-run benchmark of the math verifier (``rollout/math_grading.py``, graded in the pool of
+``rollout/grading_pool.py``).
 
 A round of the demo's shape (``--prompts`` 32 x ``--n`` 16 = 512 answers by default) of
 DeepScaleR-like answers: each prompt's gold answer is drawn from templates (fractions, integers,
@@ -39,7 +40,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rollout.verify import MathVerify, VerifierPool
+from rollout.grading_pool import VerifierPool
+from rollout.math_grading import MathVerify
 
 Item = tuple[str, str]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from buffer.base import (
@@ -12,6 +13,7 @@ from buffer.base import (
     ReplayProducer,
     SampledBatch,
     SampleTimeout,
+    Sampling,
 )
 from buffer.metrics import BufferMetrics
 from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory, decode, encode
@@ -32,6 +34,7 @@ __all__ = [
     "ReplayProducer",
     "SampleTimeout",
     "SampledBatch",
+    "Sampling",
     "Trajectory",
     "decode",
     "encode",
@@ -42,19 +45,8 @@ __all__ = [
 
 
 def _settings(cfg: Any, samples_per_insert: float | None, limits: RecordLimits) -> dict[str, Any]:
-    """What both backends' consumers take from a ``BufferConfig``."""
-    spi = cfg.samples_per_insert if cfg.samples_per_insert is not None else samples_per_insert
-    return {
-        "samples_per_insert": spi,
-        "rate_slack": cfg.rate_slack,
-        "min_size_to_sample": cfg.min_size_to_sample,
-        "max_staleness": cfg.max_staleness,
-        "prioritized": cfg.prioritized,
-        "priority_alpha": cfg.priority_alpha,
-        "priority_beta": cfg.priority_beta,
-        "priority_eps": cfg.priority_eps,
-        "limits": limits,
-    }
+    """What both backends' consumers take from a ``BufferConfig``: its ``Sampling``, whole."""
+    return {"sampling": Sampling.of(cfg, samples_per_insert), "limits": limits}
 
 
 def _where(redis: Any) -> tuple[str, str]:
@@ -94,7 +86,7 @@ def make_buffer(
             key_prefix=prefix,
             seed=seed,
             spool_max_bytes=int(cfg.spool_max_mb * (1 << 20)),
-            retry_s=cfg.sample_timeout_s,
+            retry_s=redis.outage_s,
             reset=reset,
             metrics=metrics,
             **common,
@@ -121,7 +113,7 @@ def make_consumer(
 
         url, prefix = _where(redis)
         layout = RingLayout(
-            run, cfg.capacity, url=url, key_prefix=prefix, retry_s=cfg.sample_timeout_s,
+            run, cfg.capacity, url=url, key_prefix=prefix, retry_s=redis.outage_s,
             metrics=metrics, reset=reset,
         )  # fmt: skip
         return RedisConsumer(layout, seed=seed, **common)
@@ -129,11 +121,17 @@ def make_consumer(
 
 
 def make_producer(
-    cfg: Any, run: str, redis: Any, metrics: BufferMetrics | None = None
+    cfg: Any,
+    run: str,
+    redis: Any,
+    metrics: BufferMetrics | None = None,
+    spool_dir: str | Path | None = None,
 ) -> RedisProducer:
     """The producer half of the Redis ring a ``BufferConfig`` describes, in the Redis that
     ``redis`` (a ``RedisConfig``) names: a rollout worker's (it inserts, spooling while Redis is
-    away, and reads the counters)."""
+    away or refuses writes, and reads the counters). ``spool_dir``: where it keeps what it
+    could not send when it closes, and takes back what an earlier one kept (the run
+    directory's ``spool/``)."""
     if cfg.backend != "redis":
         raise ValueError("a rollout worker needs buffer.backend=redis (the replay service)")
     from buffer.redis_layout import RingLayout  # redis-py only where it is used
@@ -141,4 +139,7 @@ def make_producer(
 
     url, prefix = _where(redis)
     layout = RingLayout(run, cfg.capacity, url=url, key_prefix=prefix, metrics=metrics)
-    return RedisProducer(layout, spool_max_bytes=int(cfg.spool_max_mb * (1 << 20)))
+    return RedisProducer(
+        layout, prioritized=cfg.prioritized, spool_max_bytes=int(cfg.spool_max_mb * (1 << 20)),
+        spool_dir=spool_dir,
+    )  # fmt: skip

@@ -14,12 +14,54 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from buffer.records import RecordLimits, Trajectory
+
+
+@dataclass
+class Sampling:
+    """How a consumer hands trajectories out: the rate limiter, the window, staleness and
+    priorities (``BufferConfig``'s fields of the same names, declared once here and handed down
+    whole to both backends' consumers). Not frozen: the learner changes ``samples_per_insert``
+    and ``max_staleness`` live (``learner/step.py``)."""
+
+    samples_per_insert: float | None = None
+    """K of the rate limiter: at most K x inserted sampled, plus ``rate_slack`` (None: off)."""
+    rate_slack: int = 0
+    """Samples allowed beyond K x inserted."""
+    min_size_to_sample: int = 0
+    """Trajectories held before the first batch (0: the batch size)."""
+    max_staleness: int | None = None
+    """Oldest policy lag handed out (None: any)."""
+    prioritized: bool = False
+    """Sample by priority (a sum tree) instead of uniformly."""
+    priority_alpha: float = 0.6
+    """Priority exponent: P(i) ~ p_i ** alpha."""
+    priority_beta: float = 0.4
+    """Importance-weight exponent of prioritized sampling."""
+    priority_eps: float = 1e-3
+    """Added to every priority (none is ever 0)."""
+
+    def floor(self, version: int) -> int | None:
+        """The oldest policy version handed out while the learner is at ``version`` (None:
+        any)."""
+        return None if self.max_staleness is None else version - self.max_staleness
+
+    @classmethod
+    def of(cls, cfg: Any, samples_per_insert: float | None = None) -> Sampling:
+        """A ``BufferConfig``'s settings; ``samples_per_insert``: the run's K
+        (``RunConfig.samples_per_insert``) when the section leaves it unset."""
+        spi = cfg.samples_per_insert if cfg.samples_per_insert is not None else samples_per_insert
+        return cls(
+            samples_per_insert=spi, rate_slack=cfg.rate_slack,
+            min_size_to_sample=cfg.min_size_to_sample, max_staleness=cfg.max_staleness,
+            prioritized=cfg.prioritized, priority_alpha=cfg.priority_alpha,
+            priority_beta=cfg.priority_beta, priority_eps=cfg.priority_eps,
+        )  # fmt: skip
 
 
 class SampleTimeout(TimeoutError):
@@ -114,10 +156,9 @@ class ReplayConsumer(Protocol):
     """The half of a ring the learner needs: a FIFO ring of capacity M it samples (without
     replacement within a batch) and takes fresh batches from, writes back to, and tunes."""
 
-    samples_per_insert: float | None
-    """K of the rate limiter (None: no limiter); the learner changes it live."""
-    max_staleness: int | None
-    """Oldest policy lag handed out (None: any); the learner changes it live."""
+    sampling: Sampling
+    """Its rate limiter, window, staleness and priorities; the learner changes
+    ``samples_per_insert`` and ``max_staleness`` live."""
     limits: RecordLimits
     """What the consumer does with a record: one beyond them is never handed out (the learner
     narrows them to its model, e.g. the context length, before it samples)."""

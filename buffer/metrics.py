@@ -1,24 +1,28 @@
-"""Prometheus metrics of the replay buffer (``reval_buffer_*``), one set per process.
+"""Prometheus metrics of the replay buffer (``reval_buffer_*``), one set per process, each
+exported only by the role that owns it (``ROLES``): a rollout worker (``producer``) exports what
+its inserts see, the learner (``consumer``) what its samples see and the run-wide figures of the
+ring's counters, ``reval train`` (``both``, one process) all of them. A worker that exported the
+learner's ``samples_per_insert`` as 0 made the plain query (and every average) wrong.
 
-| name | type | meaning |
-|---|---|---|
-| ``reval_buffer_size`` | gauge | trajectories held (as last seen by this process) |
-| ``reval_buffer_capacity`` | gauge | M |
-| ``reval_buffer_inserts_total`` | counter | trajectories inserted by this process |
-| ``reval_buffer_samples_total`` | counter | trajectories sampled by this process |
-| ``reval_buffer_evictions_total`` | counter | trajectories evicted by this process's inserts |
-| ``reval_buffer_evicted_unused_total`` | counter | of those, evicted never used |
-| ``reval_buffer_samples_per_insert`` | gauge | the run's realised reuse, sampled / inserted |
-| ``reval_buffer_evicted_unused_ratio`` | gauge | the run's share of evictions that were unused |
-| ``reval_buffer_rejected_total`` | counter | malformed records refused (insert or read) |
-| ``reval_buffer_dropped_stale_total`` | counter | stale trajectories dropped/skipped |
-| ``reval_buffer_sample_latency_seconds`` | histogram | one ``sample`` call, waiting included |
-| ``reval_buffer_sample_wait_seconds_total`` | counter | time sampling waited (limiter, too few) |
-| ``reval_buffer_staleness`` | histogram | policy-version lag of sampled trajectories |
-| ``reval_buffer_reuse_count`` | histogram | use count of sampled trajectories (after this use) |
-| ``reval_buffer_backend_errors_total`` | counter | failed backend (Redis) calls, retried |
-| ``reval_buffer_spool_records`` | gauge | records spooled locally while Redis is unreachable |
-| ``reval_buffer_spool_dropped_total`` | counter | records dropped, spool full |
+| name | type | roles | meaning |
+|---|---|---|---|
+| ``reval_buffer_size`` | gauge | all | trajectories held (as last seen by this process) |
+| ``reval_buffer_capacity`` | gauge | all | M |
+| ``reval_buffer_inserts_total`` | counter | producer | trajectories inserted by this process |
+| ``reval_buffer_samples_total`` | counter | consumer | trajectories sampled by this process |
+| ``reval_buffer_evictions_total`` | counter | producer | trajectories evicted by its inserts |
+| ``reval_buffer_evicted_unused_total`` | counter | producer | of those, evicted never used |
+| ``reval_buffer_samples_per_insert`` | gauge | consumer | the run's reuse, sampled / inserted |
+| ``reval_buffer_evicted_unused_ratio`` | gauge | consumer | the run's share of unused evictions |
+| ``reval_buffer_rejected_total`` | counter | all | malformed records refused (insert or read) |
+| ``reval_buffer_dropped_stale_total`` | counter | consumer | stale trajectories dropped/skipped |
+| ``reval_buffer_sample_latency_seconds`` | histogram | consumer | one ``sample`` call |
+| ``reval_buffer_sample_wait_seconds_total`` | counter | consumer | time sampling waited |
+| ``reval_buffer_staleness`` | histogram | consumer | policy-version lag of sampled ones |
+| ``reval_buffer_reuse_count`` | histogram | consumer | use count of sampled ones (after it) |
+| ``reval_buffer_backend_errors_total`` | counter | all | failed backend (Redis) calls, retried |
+| ``reval_buffer_spool_records`` | gauge | producer | records spooled while Redis is away |
+| ``reval_buffer_spool_dropped_total`` | counter | producer | records dropped, spool full |
 """
 
 from __future__ import annotations
@@ -36,6 +40,26 @@ from prometheus_client.utils import floatToGoString
 from buffer.base import BufferStats
 
 P = "reval_buffer_"
+
+_ALL = ("size", "capacity", "rejected", "backend_errors")
+_PRODUCER = ("inserts", "evictions", "evicted_unused", "spool_records", "spool_dropped")
+_CONSUMER = (
+    "samples",
+    "samples_per_insert",
+    "evicted_unused_ratio",
+    "dropped_stale",
+    "sample_latency_seconds",
+    "sample_wait_seconds",
+    "staleness",
+    "reuse_count",
+)
+ROLES: dict[str, frozenset[str]] = {
+    "producer": frozenset(_ALL + _PRODUCER),
+    "consumer": frozenset(_ALL + _CONSUMER),
+    "both": frozenset(_ALL + _PRODUCER + _CONSUMER),
+}
+"""The metrics (names after ``reval_buffer_``) each role exports: ``producer`` a rollout
+worker, ``consumer`` the learner (rank 0), ``both`` a one-process ``reval train``."""
 
 
 class BatchHistogram(Collector):
@@ -94,48 +118,77 @@ class BatchHistogram(Collector):
 
 
 class BufferMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry if registry is not None else CollectorRegistry()
-        self.size = Gauge(f"{P}size", "Trajectories held", registry=r)
-        self.capacity = Gauge(f"{P}capacity", "Capacity M", registry=r)
-        self.inserts = Counter(f"{P}inserts", "Trajectories inserted", registry=r)
-        self.samples = Counter(f"{P}samples", "Trajectories sampled", registry=r)
-        self.evictions = Counter(f"{P}evictions", "Trajectories evicted", registry=r)
+    """The buffer's metrics of one process in the role ``role`` (``ROLES``): every attribute
+    exists whatever the role (the ring's code updates what it sees), but only the role's own
+    metrics are in ``registry``; the others go to a registry nobody scrapes."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, role: str = "both") -> None:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r}: one of {', '.join(ROLES)}")
+        self.role = role
+        shown = self.registry = registry if registry is not None else CollectorRegistry()
+        hidden = CollectorRegistry()
+        owned = ROLES[role]
+
+        def to(name: str) -> CollectorRegistry:
+            return shown if name in owned else hidden
+
+        self.size = Gauge(f"{P}size", "Trajectories held", registry=to("size"))
+        self.capacity = Gauge(f"{P}capacity", "Capacity M", registry=to("capacity"))
+        self.inserts = Counter(f"{P}inserts", "Trajectories inserted", registry=to("inserts"))
+        self.samples = Counter(f"{P}samples", "Trajectories sampled", registry=to("samples"))
+        self.evictions = Counter(f"{P}evictions", "Trajectories evicted", registry=to("evictions"))
         self.evicted_unused = Counter(
-            f"{P}evicted_unused", "Trajectories evicted never used", registry=r
+            f"{P}evicted_unused", "Trajectories evicted never used", registry=to("evicted_unused")
         )
         self.samples_per_insert = Gauge(
-            f"{P}samples_per_insert", "Realised reuse of the run: sampled / inserted", registry=r
+            f"{P}samples_per_insert",
+            "Realised reuse of the run: sampled / inserted",
+            registry=to("samples_per_insert"),
         )
         self.evicted_unused_ratio = Gauge(
-            f"{P}evicted_unused_ratio", "Share of the run's evictions that were unused", registry=r
+            f"{P}evicted_unused_ratio",
+            "Share of the run's evictions that were unused",
+            registry=to("evicted_unused_ratio"),
         )
-        self.rejected = Counter(f"{P}rejected", "Malformed records refused", registry=r)
-        self.dropped_stale = Counter(f"{P}dropped_stale", "Stale trajectories", registry=r)
+        self.rejected = Counter(
+            f"{P}rejected", "Malformed records refused", registry=to("rejected")
+        )
+        self.dropped_stale = Counter(
+            f"{P}dropped_stale", "Stale trajectories", registry=to("dropped_stale")
+        )
         self.sample_latency = Histogram(
             f"{P}sample_latency_seconds",
             "Latency of one sample call",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=r,
+            registry=to("sample_latency_seconds"),
         )
         self.sample_wait = Counter(
-            f"{P}sample_wait_seconds", "Time sampling waited for data or rate", registry=r
+            f"{P}sample_wait_seconds",
+            "Time sampling waited for data or rate",
+            registry=to("sample_wait_seconds"),
         )
         self.staleness = BatchHistogram(
             f"{P}staleness",
             "Policy-version lag of sampled trajectories",
             (0, 1, 2, 4, 8, 16, 32, 64, 128),
-            r,
+            to("staleness"),
         )
         self.reuse = BatchHistogram(
             f"{P}reuse_count",
             "Use count of sampled trajectories",
             (1, 2, 3, 4, 6, 8, 12, 16, 32),
-            r,
+            to("reuse_count"),
         )
-        self.backend_errors = Counter(f"{P}backend_errors", "Failed backend calls", registry=r)
-        self.spool_records = Gauge(f"{P}spool_records", "Records spooled locally", registry=r)
-        self.spool_dropped = Counter(f"{P}spool_dropped", "Spooled records dropped", registry=r)
+        self.backend_errors = Counter(
+            f"{P}backend_errors", "Failed backend calls", registry=to("backend_errors")
+        )
+        self.spool_records = Gauge(
+            f"{P}spool_records", "Records spooled locally", registry=to("spool_records")
+        )
+        self.spool_dropped = Counter(
+            f"{P}spool_dropped", "Spooled records dropped", registry=to("spool_dropped")
+        )
 
     def observe_stats(self, stats: BufferStats) -> None:
         """The run-wide figures of a ``stats()`` read: size, realised reuse, unused evictions."""

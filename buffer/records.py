@@ -329,6 +329,31 @@ def _generate(name: str, lines: list[str], **env: Any) -> Callable[..., Any]:
     return fn
 
 
+def _batch_rows_lines(arrays: list[str], scalars: list[str]) -> list[str]:
+    """``_batch_rows``'s source: records from checked columns; each array field is a slice of its
+    column's joined array, from ``offsets`` (one list per array field)."""
+    lines = [
+        "def _batch_rows(cols, joined, offsets):",
+        f"    {''.join(f'a_{n}, ' for n in arrays)}= joined",
+        f"    {''.join(f'o_{n}, ' for n in arrays)}= offsets",
+        "    new, cls = _new, _Trajectory",
+        "    out = []",
+        "    append = out.append",
+        "    for ("
+        + "".join(f"s_{n}, e_{n}, " for n in arrays)
+        + "".join(f"v_{n}, " for n in scalars)
+        + ") in _zip(",
+        *(f"        o_{n}, o_{n}[1:]," for n in arrays),
+        *(f"        cols[{_COLUMN[n]}]," for n in scalars),
+        "    ):",
+        "        t = new(cls)",
+    ]
+    for name, kind in _FIELDS:
+        value = f"a_{name}[s_{name}:e_{name}]" if kind.dtype is not None else f"v_{name}"
+        lines.append(f"        t.{name} = {value}")
+    return [*lines, "        append(t)", "    return out"]
+
+
 def _generate_codec() -> dict[str, Callable[..., Any]]:
     """The per-record functions, as straight-line code over the declared fields."""
     env: dict[str, Any] = {
@@ -367,28 +392,8 @@ def _generate_codec() -> dict[str, Callable[..., Any]]:
     lines.append("    return t")
     out["_from_wire"] = _generate("_from_wire", lines, **env)
 
-    # decode_many: records from checked columns (float columns already floats); each array field
-    # is a slice of its column's joined array, from ``offsets`` (one list per array field).
-    lines = [
-        "def _batch_rows(cols, joined, offsets):",
-        f"    {''.join(f'a_{n}, ' for n in arrays)}= joined",
-        f"    {''.join(f'o_{n}, ' for n in arrays)}= offsets",
-        "    new, cls = _new, _Trajectory",
-        "    out = []",
-        "    append = out.append",
-        "    for ("
-        + "".join(f"s_{n}, e_{n}, " for n in arrays)
-        + "".join(f"v_{n}, " for n in scalars)
-        + ") in _zip(",
-        *(f"        o_{n}, o_{n}[1:]," for n in arrays),
-        *(f"        cols[{_COLUMN[n]}]," for n in scalars),
-        "    ):",
-        "        t = new(cls)",
-    ]
-    for name, kind in _FIELDS:
-        value = f"a_{name}[s_{name}:e_{name}]" if kind.dtype is not None else f"v_{name}"
-        lines.append(f"        t.{name} = {value}")
-    lines += ["        append(t)", "    return out"]
+    # decode_many: records from checked columns (float columns already floats).
+    lines = _batch_rows_lines(arrays, scalars)
     out["_batch_rows"] = _generate("_batch_rows", lines, **env)
 
     # The per-kind scalar checks of one record, as one expression (validate, encode_many).

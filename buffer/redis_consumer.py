@@ -23,6 +23,7 @@ from buffer.base import (
     BufferUnavailable,
     SampledBatch,
     SampleTimeout,
+    Sampling,
     importance_weights,
     pick_fresh,
     priority_of,
@@ -60,14 +61,7 @@ class RedisConsumer(OnLayout):
         layout: RingLayout,
         *,
         seed: int | None = None,
-        samples_per_insert: float | None = None,
-        rate_slack: int = 0,
-        min_size_to_sample: int = 0,
-        max_staleness: int | None = None,
-        prioritized: bool = False,
-        priority_alpha: float = 0.6,
-        priority_beta: float = 0.4,
-        priority_eps: float = 1e-3,
+        sampling: Sampling | None = None,
         max_record_bytes: int = 64 << 20,
         limits: RecordLimits = NO_LIMITS,
     ) -> None:
@@ -78,12 +72,8 @@ class RedisConsumer(OnLayout):
         self._chunks = ChunkReader(layout)
         self._rng = random.Random(seed)
         self._np_rng = np.random.default_rng(self._rng.randrange(2**63))  # draws positions
-        self.samples_per_insert = samples_per_insert
-        self.rate_slack = rate_slack
-        self.min_size_to_sample = min_size_to_sample
-        self.max_staleness = max_staleness
-        self.prioritized = prioritized
-        self.alpha, self.beta, self.eps = priority_alpha, priority_beta, priority_eps
+        self.sampling = Sampling() if sampling is None else sampling
+        """The rate limiter, window, staleness and priorities (``buffer.base.Sampling``)."""
         self.max_record_bytes = max_record_bytes
         self.limits = limits
         """What the consumer does with a record (``RecordLimits``): a record that decodes but
@@ -130,8 +120,9 @@ class RedisConsumer(OnLayout):
             self._gather(positions, ps, deadline, acc)
         trajs = acc.trajs
         self.layout.remember([t.traj_id for t in trajs], acc.positions)
-        if self.prioritized:
-            weights = importance_weights(np.asarray(acc.probs), int(acc.size), self.beta)
+        if self.sampling.prioritized:
+            beta = self.sampling.priority_beta
+            weights = importance_weights(np.asarray(acc.probs), int(acc.size), beta)
         else:
             weights = np.ones(batch_size, dtype=np.float32)
         staleness = int(acc.version) - np.asarray(acc.versions, dtype=np.int64)
@@ -158,13 +149,13 @@ class RedisConsumer(OnLayout):
         args = [
             need,
             self._rng.randrange(1, 2**31 - 1),
-            -1 if self.samples_per_insert is None else self.samples_per_insert,
-            self.rate_slack,
-            self.min_size_to_sample if not acc.trajs else 0,
-            -1 if self.max_staleness is None else self.max_staleness,
-            int(self.prioritized),
+            -1 if self.sampling.samples_per_insert is None else self.sampling.samples_per_insert,
+            self.sampling.rate_slack,
+            self.sampling.min_size_to_sample if not acc.trajs else 0,
+            -1 if self.sampling.max_staleness is None else self.sampling.max_staleness,
+            int(self.sampling.prioritized),
             self._chunks.newest,
-            *(sorted(drawn) if self.prioritized else ()),
+            *(sorted(drawn) if self.sampling.prioritized else ()),
         ]
         try:
             out = self.layout.script("sample", args, retry_s=max(0.0, deadline - time.monotonic()))
@@ -184,14 +175,14 @@ class RedisConsumer(OnLayout):
             drawn.clear()
             return None, [], None
         self._chunks.add(out[5], tail)
-        if self.prioritized:
+        if self.sampling.prioritized:
             return [int(p) for p in out[6]], [float(p) for p in out[7]], None
         positions = _draw(self._rng, self._np_rng, need, tail, head, drawn)
         if positions is None:
             self._chunks.give_back([], need, 0)
             within = (
                 "within max_staleness"
-                if self.max_staleness is not None
+                if self.sampling.max_staleness is not None
                 else "usable (emptied ones are skipped)"
             )
             return None, [], f"fewer than {batch_size} trajectories {within} in {acc.size} held"
@@ -221,7 +212,7 @@ class RedisConsumer(OnLayout):
         for i, problem in bad:
             log.error("quarantined a malformed record at position %d: %s",
                       order[present[i]], problem)  # fmt: skip
-        floor = None if self.max_staleness is None else acc.version - self.max_staleness
+        floor = self.sampling.floor(acc.version)
         if not bad_at and floor is None and not prob_of and len(good) == len(order):
             # The usual case, without a per-record branch: every record drawn is handed out.
             for t, u, ref in zip(good, uses, refs, strict=True):
@@ -319,7 +310,7 @@ class RedisConsumer(OnLayout):
         self._chunks.behind(head)  # (reset by another client: start the index over)
         chunks = self._chunks.add([x for end, first in fresh for x in (end, first)], tail)
         uses = np.frombuffer(use_raw or b"", dtype=">u4")
-        floor = None if self.max_staleness is None else version - self.max_staleness
+        floor = self.sampling.floor(version)
         got = self._chunks.fresh_runs(
             chunks, tail, uses, floor, self.max_record_bytes, self.limits,
             (batch_size, whole_groups, oldest_first),
@@ -376,13 +367,14 @@ class RedisConsumer(OnLayout):
         are remembered); others count as not held."""
         if len(traj_ids) != len(deltas):
             raise ValueError(f"{len(traj_ids)} ids but {len(deltas)} deltas")
-        if not self.prioritized or not traj_ids:
+        if not self.sampling.prioritized or not traj_ids:
             return 0
         args: list[Any] = []
+        s = self.sampling
         for tid, d in zip(traj_ids, deltas, strict=True):
             pos = self.layout.position(tid)
             if pos is not None:
-                args += [pos, repr(priority_of(d, self.alpha, self.eps))]
+                args += [pos, repr(priority_of(d, s.priority_alpha, s.priority_eps))]
         return int(self.layout.script("priorities", args)) if args else 0
 
     def write_back(self, trajectories: Sequence[Trajectory]) -> int:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import ResponseError
 
 from buffer import resp
 from buffer.base import BufferStats, BufferUnavailable
@@ -25,18 +25,11 @@ from buffer.metrics import BufferMetrics
 from buffer.records import RecordError
 from buffer.redis_lua import INSERT, OPEN, PRIORITIES, QUARANTINE, SAMPLE, WRITE_BACK
 from reval.redis import RingKeys, connect, ring_keys
+from reval.retry import retry_redis, wait_fault
 
 log = logging.getLogger("reval.buffer")
 T = TypeVar("T")
 
-# Errors worth a retry: the connection went away, timed out, or Redis is loading its AOF.
-RETRYABLE: tuple[type[BaseException], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    BusyLoadingError,
-    ConnectionError,
-    OSError,
-)
 
 TAKEN = 1 << 31
 """The top bit of a slot's use count (``use``): a ``take`` has handed the record out. Counts
@@ -152,7 +145,11 @@ class RingLayout:
         self.client = client or connect(url)
         self.retry_s = retry_s
         self.metrics = metrics
-        self._down_since: float | None = None
+        self._opened = False
+        """A call went through: a CAPACITY answer now means a damaged ``meta`` capacity,
+        unless the ring was reset meanwhile (its head went back below ``_seen_head``)."""
+        self._seen_head = 0
+        """One past the newest position this client inserted, sampled or listed."""
         # Trajectory id -> position, for write_back, update_priorities and quarantine (the
         # learner passes back trajectories it sampled); filled by insert, sample and items.
         self._where: dict[str, int] = {}
@@ -194,52 +191,67 @@ class RingLayout:
             self.retry_s if retry_s is None else retry_s,
         )
 
-    def retry(self, fn: Callable[[], T], budget_s: float) -> T:
-        """``fn()``, retried with exponential backoff while Redis is unreachable, for up to
-        ``budget_s`` seconds (then BufferUnavailable). A script's CORRUPT answer, or a value
-        of the bookkeeping the client could not parse, raises RingCorrupt; CAPACITY raises
-        ValueError."""
-        deadline = time.monotonic() + budget_s
-        delay = 0.05
-        while True:
-            try:
-                out = fn()
-            except ResponseError as err:
-                if str(err).startswith("CAPACITY"):
-                    raise ValueError(f"run {self.run!r}: {err}") from None
-                if str(err).startswith("CORRUPT"):
-                    raise self.corrupt(str(err)[len("CORRUPT ") :]) from None
+    def retry(self, fn: Callable[[], T], budget_s: float, what: str = "") -> T:
+        """``fn()``, retried with backoff while Redis is away or refuses writes (the one policy,
+        ``reval.retry``: the outage is logged once when it starts and once when it ends), for up
+        to ``budget_s`` seconds (then BufferUnavailable). A script's CORRUPT answer, a value of
+        the bookkeeping the client could not parse, or a capacity that changed under a ring
+        this client had opened raises RingCorrupt; a CAPACITY answer at the first call raises
+        ValueError (the run was made with another capacity). ``what``: the call, in the outage
+        lines (a read and a write wait apart while Redis refuses writes only)."""
+        try:
+            out = retry_redis(
+                lambda: self._checked(fn), budget_s,
+                f"run {self.run}'s replay ring{': ' + what if what else ''}", self.note_down,
+            )  # fmt: skip
+        except Exception as err:
+            if not wait_fault(err):
                 raise
-            except ValueError as err:  # the client's parsing of the bookkeeping it read
-                if isinstance(err, RecordError):
-                    raise
-                raise self.corrupt(str(err)) from None
-            except RETRYABLE as err:
-                self.note_down(err)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise BufferUnavailable(
-                        f"Redis unreachable for {budget_s:.1f}s: {err}"
-                    ) from err
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 2.0)
-                continue
-            if self._down_since is not None:
-                log.warning(
-                    "Redis answers again after %.1fs (run %s)",
-                    time.monotonic() - self._down_since,
-                    self.run,
-                )
-                self._down_since = None
-            return out
+            raise BufferUnavailable(
+                f"run {self.run!r}: Redis away or refusing writes for {budget_s:.0f} s "
+                f"(redis.outage_s): {type(err).__name__}: {err}"
+            ) from err
+        self._opened = True
+        return out
+
+    def _checked(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with the ring's answers made errors of their own (``retry``)."""
+        try:
+            return fn()
+        except ResponseError as err:
+            text = str(err)
+            if text.startswith("CAPACITY"):
+                if self._opened and not self._was_reset():  # the field was damaged since
+                    held = re.search(r"capacity (\S+) but", text)
+                    raise self.corrupt(
+                        f"meta capacity={held.group(1) if held else '?'}, while this "
+                        f"{self.capacity}-record ring was in use"
+                    ) from None
+                raise ValueError(
+                    f"run {self.run!r}: {text[len('CAPACITY ') :]}; if no run was made with "
+                    f"that capacity, the ring is corrupt (meta capacity): {self.keys.repair()}"
+                ) from None
+            if text.startswith("CORRUPT"):
+                raise self.corrupt(text[len("CORRUPT ") :]) from None
+            raise
+        except ValueError as err:  # the client's parsing of the bookkeeping it read
+            if isinstance(err, RecordError):
+                raise
+            raise self.corrupt(str(err)) from None
+
+    def _was_reset(self) -> bool:
+        """Whether the ring's head went back below what this client saw (another client reset
+        the run, which may then have another capacity); an unreadable head counts as not."""
+        try:
+            head = self.client.hget(self.keys.meta, "head")
+            return int(head or 0) < self._seen_head
+        except (redis.RedisError, ValueError):
+            return False
 
     def note_down(self, err: BaseException) -> None:
-        """Count a failed call (and log the first of an outage)."""
+        """Count a failed call (a wait fault: ``reval_buffer_backend_errors_total``)."""
         if self.metrics is not None:
             self.metrics.backend_errors.inc()
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            log.warning("Redis call failed (run %s), retrying with backoff: %s", self.run, err)
 
     def transact(self, commands: Sequence[bytes]) -> list[Any]:
         """Send packed commands as one MULTI/EXEC on a pooled connection and return EXEC's
@@ -285,14 +297,16 @@ class RingLayout:
     def size(self) -> int:
         """Trajectories held now."""
         head_b, tail_b = self.retry(
-            lambda: self.client.hmget(self.keys.meta, "head", "tail"), self.retry_s
+            lambda: self.client.hmget(self.keys.meta, "head", "tail"), self.retry_s, "read"
         )
         head, tail = self.window(head_b, tail_b)
         return head - tail
 
     def stats(self) -> BufferStats:
         """The ring's counters, read from ``meta`` in one call."""
-        vals = self.retry(lambda: self.client.hmget(self.keys.meta, STATS_FIELDS), self.retry_s)
+        vals = self.retry(
+            lambda: self.client.hmget(self.keys.meta, STATS_FIELDS), self.retry_s, "read"
+        )
         self.window(vals[1], vals[2])  # (a window that does not hold is as corrupt)
         return stats_of(vals, self.capacity, self.corrupt)
 
@@ -303,6 +317,8 @@ class RingLayout:
         where = self._where
         with self._where_lock:  # a Prefetcher samples from several threads
             where.update(zip(ids, positions, strict=True))
+            if positions:
+                self._seen_head = max(self._seen_head, max(positions) + 1)
             excess = len(where) - self._where_max
             if excess > 0:
                 for tid in list(itertools.islice(where, excess)):
@@ -316,6 +332,7 @@ class RingLayout:
         """Forget every position (the run started over)."""
         with self._where_lock:
             self._where.clear()
+            self._seen_head = 0
 
     # -- the run's keys -------------------------------------------------------------------------
 

@@ -1,8 +1,15 @@
 """The producer half of the Redis ring: what a rollout worker uses (insert, the local spool, flush).
 
-Faults: a producer that cannot reach Redis keeps its encoded batches in a bounded local spool and
-flushes them, in order, once Redis answers again (a retried batch that had in fact landed is not
-stored twice: inserts skip trajectory ids already held).
+Faults: a producer that cannot reach Redis, or that Redis refuses to write for now (MISCONF,
+OOM, READONLY: ``reval.retry.wait_fault``), keeps its encoded batches in a bounded local spool
+and flushes them, in order, once Redis answers again (a retried batch that had in fact landed is
+not stored twice: inserts skip trajectory ids already held). What is still spooled when it
+closes (Redis away past the close's wait, or a corrupt ring: ``RingCorrupt``) goes to files in
+its ``spool_dir``, one per chunk (``<time>-<n>.spool``); a producer started later on the same
+directory takes them back and sends them first. A producer claims a file by renaming it to
+``<time>-<n>.sending-<pid>-<host>-<token>``; one that died holding claims (a kill) leaves them to
+the next producer on that host; a file that cannot be read or is not a spool chunk is set aside
+as ``bad-<time>-<n>`` with one line, never tried again.
 """
 
 from __future__ import annotations
@@ -11,14 +18,18 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 from redis.exceptions import ExecAbortError, NoScriptError
 
@@ -32,10 +43,59 @@ from buffer.records import (
     decode_many,
     encode_many,
 )
-from buffer.redis_layout import RETRYABLE, OnLayout, RingLayout
+from buffer.redis_layout import OnLayout, RingCorrupt, RingLayout
 from buffer.redis_lua import INSERT
+from reval.procs import pid_alive
+from reval.retry import wait_fault
 
 log = logging.getLogger("reval.buffer")
+
+_TOKEN = uuid.uuid4().hex[:8]
+"""This process's mark in its claims' names: a claim with this process's pid but another token
+was made by an earlier process that had the same pid (a restarted container)."""
+
+
+def _claim_name() -> str:
+    """The suffix of the spool files this process claims: ``.sending-<pid>-<host>-<token>``."""
+    return f".sending-{os.getpid()}-{socket.gethostname()}-{_TOKEN}"
+
+
+def _claim_dead(path: Path) -> bool:
+    """Whether the producer that claimed ``path`` (a ``*.sending-<pid>-<host>-<token>`` file)
+    is gone: on this host, its pid is no live process, or is this process's while the token
+    is not. A claim from another host is never taken (it cannot be told from a live one)."""
+    mark = path.name.rpartition(".sending-")[2]
+    pid, _, rest = mark.partition("-")
+    host, _, token = rest.rpartition("-")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return token != _TOKEN
+    return not pid_alive(int(pid))
+
+
+def _chunk_of(body: Any, file: Path) -> _Chunk:
+    """The chunk a spool file's ``body`` holds; ValueError when it is no spool chunk."""
+    try:
+        blobs = [bytes(b) for b in body["blobs"]]
+        ids = [str(i) for i in body["ids"]]
+        versions = [int(v) for v in body["versions"]]
+        stage = body["stage"]
+    except (TypeError, KeyError, ValueError) as err:
+        raise ValueError(f"not a spool chunk ({type(err).__name__}: {err})") from None
+    if not (len(blobs) == len(ids) == len(versions)) or not isinstance(stage, str):
+        raise ValueError("not a spool chunk (its lists differ in length, or no stage)")
+    return _Chunk(blobs, ids, versions, sum(map(len, blobs)), stage=stage, file=file)
+
+
+def _renamed(path: Path, name: str) -> bool:
+    """Rename ``path`` to ``name`` in its directory; False when it cannot be."""
+    try:
+        os.replace(path, path.with_name(name))
+    except OSError:
+        return False
+    return True
+
 
 CHUNK_BYTES = 8 << 20  # one insert script call carries at most this much
 CHUNK_RECORDS = 2048
@@ -50,7 +110,10 @@ class _Chunk:
     versions: list[int]
     nbytes: int
     stage: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-    """Names the stage hash: fixed per chunk, so a resend rewrites the same one."""
+    """Names the stage hash: fixed per chunk, so a resend rewrites the same one (also after the
+    chunk went through a spool file)."""
+    file: Path | None = None
+    """The spool file this chunk was taken back from (deleted once the chunk is sent)."""
 
     @property
     def count(self) -> int:
@@ -76,12 +139,14 @@ class RedisProducer(OnLayout):
         max_record_bytes: int = 64 << 20,
         background: bool = False,
         limits: RecordLimits = NO_LIMITS,
+        spool_dir: str | Path | None = None,
     ) -> None:
         """A producer of ``layout``'s ring. ``prioritized``: new records get the maximum
         priority (the run's setting); ``spool_max_bytes``: the spool's bound (the oldest chunks
         are dropped beyond it); ``max_record_bytes``, ``limits``: what ``insert_encoded``
         accepts; ``background``: a sender thread sends while the caller encodes the next
-        batch."""
+        batch; ``spool_dir``: where ``close`` keeps what it could not send, and where the
+        chunks an earlier producer kept there are taken back from (None: nowhere)."""
         self.layout = layout
         self.prioritized = prioritized
         self.spool_max_bytes = spool_max_bytes
@@ -98,6 +163,9 @@ class RedisProducer(OnLayout):
         self._sender: threading.Thread | None = None
         self.spool_dropped = 0
         """Records dropped from a full spool."""
+        self.spool_dir = None if spool_dir is None else Path(spool_dir)
+        if self.spool_dir is not None:
+            self._take_back(self.spool_dir)
         if background:
             self._sender = threading.Thread(
                 target=self._send_loop, name=f"reval-buffer-sender-{layout.run}", daemon=True
@@ -156,7 +224,9 @@ class RedisProducer(OnLayout):
             self.metrics.rejected.inc(n)
         try:
             self.client.hincrby(self.keys.meta, "rejected", n)
-        except RETRYABLE as err:
+        except Exception as err:
+            if not wait_fault(err):
+                raise
             self.layout.note_down(err)
 
     def _spool_push(self, chunk: _Chunk) -> None:
@@ -205,6 +275,7 @@ class RedisProducer(OnLayout):
                     inserted, ev, _dup, size, first, unused = self.layout.retry(
                         functools.partial(self._send, chunk),
                         max(0.0, deadline - time.monotonic()),
+                        "insert",
                     )
                 except BufferUnavailable:
                     break
@@ -214,6 +285,8 @@ class RedisProducer(OnLayout):
                 with self._spool_lock:
                     self._spool.popleft()  # still the head: pushes append, drops spare it
                     self._spool_bytes -= chunk.nbytes
+                if chunk.file is not None:  # (taken back from the spool directory: sent now)
+                    chunk.file.unlink(missing_ok=True)
                 evicted += int(ev)
                 self.layout.remember(chunk.ids, range(int(first), int(first) + chunk.count))
                 if self.metrics is not None:
@@ -273,12 +346,109 @@ class RedisProducer(OnLayout):
 
     def close(self, flush_s: float = 5.0) -> None:
         """Flush the spool (waiting up to ``flush_s`` for Redis), stop the sender thread, and
-        close the connections (unless the client was passed in)."""
+        close the connections (unless the client was passed in). What could not be sent (Redis
+        away, or the ring corrupt) goes to the spool directory (``keep``), or is lost with a
+        line saying so when there is none."""
         if self._sender is not None:
             self._stop.set()
             self._wake.set()
             self._sender.join(timeout=flush_s + 5)
-        self.flush(retry_s=flush_s)
+        why = "Redis did not take them"
+        try:
+            self.flush(retry_s=flush_s)
+        except RingCorrupt:  # (the caller has said so, or will: its insert raised it)
+            why = "the ring is damaged: they are sent after its repair"
         if self._spool:
-            log.error("closing with %d records still spooled (Redis unreachable)", self.spooled)
+            if self.spool_dir is not None:
+                self.keep(self.spool_dir, why)
+            else:
+                log.error("closing with %d records still spooled (%s): lost", self.spooled, why)
         self.layout.close()
+
+    def keep(self, directory: Path, why: str) -> int:
+        """Write the spooled chunks to ``directory`` (one ``<time>-<n>.spool`` file each, in
+        order by name, written whole, then renamed), empty the spool, and log one line; returns
+        the records kept. A write that fails (a full disk, no permission) is one line with the
+        count of records lost and why: a chunk taken back from a file goes back to its file
+        (nothing is written for it), the others are lost."""
+        with self._spool_lock:
+            chunks = list(self._spool)
+            self._spool.clear()
+            self._spool_bytes = 0
+        self._set_spool_gauge()
+        now = time.time_ns()
+        for k, chunk in enumerate(chunks):
+            path = directory / f"{now:020d}-{k:06d}.spool"  # (in order by name)
+            tmp = path.with_suffix(f".tmp-{os.getpid()}")
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                if chunk.file is not None:  # (its bytes are there already)
+                    os.replace(chunk.file, path)
+                    continue
+                body = {"run": self.run, "stage": chunk.stage, "ids": chunk.ids,
+                        "versions": chunk.versions, "blobs": chunk.blobs}  # fmt: skip
+                tmp.write_bytes(msgpack.packb(body, use_bin_type=True))
+                os.replace(tmp, path)
+            except OSError as err:
+                tmp.unlink(missing_ok=True)
+                return self._kept_but(chunks, k, directory, why, err)
+        n = sum(c.count for c in chunks)
+        log.warning("kept %d unsent records in %s (%s): a producer of run %s started on that "
+                    "directory sends them first", n, directory, why, self.run)  # fmt: skip
+        return n
+
+    def _kept_but(
+        self, chunks: list[_Chunk], failed: int, directory: Path, why: str, err: OSError
+    ) -> int:
+        """``keep`` could not write chunk ``failed``: the ones before it are kept; of the rest,
+        those taken back from a file go back to it (``.spool`` again), the others are lost, in
+        one line. Returns the records kept."""
+        kept = sum(c.count for c in chunks[:failed])
+        lost = 0
+        for chunk in chunks[failed:]:
+            if chunk.file is not None and _renamed(chunk.file, chunk.file.name.partition(".")[0]
+                                                   + ".spool"):  # fmt: skip
+                kept += chunk.count
+            else:
+                lost += chunk.count
+        log.error("closing with %d unsent records that could not be kept in %s (%s: %s): lost; "
+                  "%d kept there (%s)", lost, directory, type(err).__name__, err, kept,
+                  why)  # fmt: skip
+        return kept
+
+    def _take_back(self, directory: Path) -> None:
+        """Spool the chunks an earlier producer of this run kept in ``directory``, in the order
+        they were kept (each file is claimed by a rename, so two producers on one directory
+        never both take it; the claims of a producer that died are taken again, ``_claim_dead``);
+        they are sent first, and each file is deleted once its chunk is sent. A file that cannot
+        be read or holds no spool chunk is one line and set aside (``bad-<name>``)."""
+        if not directory.is_dir():
+            return
+        taken = 0
+        files = [*directory.glob("*.spool"), *filter(_claim_dead, directory.glob("*.sending-*"))]
+        for path in sorted(files, key=lambda f: f.name):
+            mine = directory / (path.name.partition(".")[0] + _claim_name())
+            try:
+                os.replace(path, mine)
+            except FileNotFoundError:
+                continue  # (another producer took it)
+            try:
+                body = msgpack.unpackb(mine.read_bytes(), raw=False)
+                chunk = _chunk_of(body, mine)  # (a dict once this passed)
+            except (OSError, ValueError, TypeError) as err:
+                bad = f"bad-{path.name.partition('.')[0]}"
+                _renamed(mine, bad)
+                log.error("spool file %s cannot be taken back (%s): set aside as %s, not sent",
+                          path, err, bad)  # fmt: skip
+                continue
+            if body.get("run") != self.run:
+                _renamed(mine, path.name.partition(".")[0] + ".spool")
+                continue  # another run's: not ours to send
+            with self._spool_lock:
+                self._spool.append(chunk)
+                self._spool_bytes += chunk.nbytes
+            taken += chunk.count
+        if taken:
+            self._set_spool_gauge()
+            log.info("took back %d records kept in %s by an earlier producer of run %s; "
+                     "they are sent first", taken, directory, self.run)  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import redis
 
+from buffer.base import Sampling
 from buffer.metrics import BufferMetrics
 from buffer.records import NO_LIMITS, RecordLimits
 from buffer.redis_consumer import RedisConsumer
@@ -38,14 +39,7 @@ class RedisRing(RedisProducer, RedisConsumer):
         key_prefix: str = "reval:",
         client: redis.Redis | None = None,
         seed: int | None = None,
-        samples_per_insert: float | None = None,
-        rate_slack: int = 0,
-        min_size_to_sample: int = 0,
-        max_staleness: int | None = None,
-        prioritized: bool = False,
-        priority_alpha: float = 0.6,
-        priority_beta: float = 0.4,
-        priority_eps: float = 1e-3,
+        sampling: Sampling | None = None,
         spool_max_bytes: int = 256 << 20,
         retry_s: float = 30.0,
         metrics: BufferMetrics | None = None,
@@ -60,14 +54,9 @@ class RedisRing(RedisProducer, RedisConsumer):
             run, capacity, url=url, key_prefix=key_prefix, client=client, retry_s=retry_s,
             metrics=metrics, reset=reset, open_retry_s=open_retry_s,
         )  # fmt: skip
-        RedisConsumer.__init__(
-            self, layout, seed=seed, samples_per_insert=samples_per_insert,
-            rate_slack=rate_slack, min_size_to_sample=min_size_to_sample,
-            max_staleness=max_staleness, prioritized=prioritized,
-            priority_alpha=priority_alpha, priority_beta=priority_beta,
-            priority_eps=priority_eps, max_record_bytes=max_record_bytes, limits=limits,
-        )  # fmt: skip
+        RedisConsumer.__init__(self, layout, seed=seed, sampling=sampling,
+                               max_record_bytes=max_record_bytes, limits=limits)  # fmt: skip
         RedisProducer.__init__(
-            self, layout, prioritized=prioritized, spool_max_bytes=spool_max_bytes,
+            self, layout, prioritized=self.sampling.prioritized, spool_max_bytes=spool_max_bytes,
             max_record_bytes=max_record_bytes, background=background, limits=limits,
         )  # fmt: skip

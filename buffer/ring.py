@@ -22,6 +22,7 @@ from buffer.base import (
     FreshRun,
     SampledBatch,
     SampleTimeout,
+    Sampling,
     importance_weights,
     pick_fresh,
     priority_of,
@@ -43,14 +44,7 @@ class MemoryRing:
         capacity: int,
         seed: int = 0,
         *,
-        samples_per_insert: float | None = None,
-        rate_slack: int = 0,
-        min_size_to_sample: int = 0,
-        max_staleness: int | None = None,
-        prioritized: bool = False,
-        priority_alpha: float = 0.6,
-        priority_beta: float = 0.4,
-        priority_eps: float = 1e-3,
+        sampling: Sampling | None = None,
         metrics: BufferMetrics | None = None,
         limits: RecordLimits = NO_LIMITS,
     ) -> None:
@@ -72,13 +66,9 @@ class MemoryRing:
         self._version = 0
         self._rng = random.Random(seed)
         self._cond = threading.Condition()
-        self.samples_per_insert = samples_per_insert
-        self.rate_slack = rate_slack
-        self.min_size_to_sample = min_size_to_sample
-        self.max_staleness = max_staleness
-        self.prioritized = prioritized
-        self.alpha, self.beta, self.eps = priority_alpha, priority_beta, priority_eps
-        self._tree = SumTree(capacity) if prioritized else None
+        self.sampling = Sampling() if sampling is None else sampling
+        """The rate limiter, window, staleness and priorities (``buffer.base.Sampling``)."""
+        self._tree = SumTree(capacity) if self.sampling.prioritized else None
         self._max_priority = 1.0
         self._inserts: deque[tuple[int, int]] = deque()  # [start, end) of each insert call
         self.metrics = metrics
@@ -148,9 +138,9 @@ class MemoryRing:
             self._version = int(version)
 
     def _drop_stale_prefix(self) -> int:
-        if self.max_staleness is None:
+        if self.sampling.max_staleness is None:
             return 0
-        floor = self._version - self.max_staleness
+        floor = self._version - self.sampling.max_staleness
         dropped = 0
         while self._tail < self._head:
             slot = self._tail % self._capacity
@@ -169,22 +159,19 @@ class MemoryRing:
 
     def _blocked(self, batch_size: int) -> str | None:
         """Why a batch cannot be handed out now (None: it can)."""
-        need = max(batch_size, self.min_size_to_sample)
+        need = max(batch_size, self.sampling.min_size_to_sample)
         if len(self) < need:
             return f"cannot sample {batch_size} from a buffer holding {len(self)} (need {need})"
-        if self.samples_per_insert is not None:
-            allowed = self.samples_per_insert * self._head + self.rate_slack
-            if self._sampled + batch_size > allowed:
-                return (
-                    f"rate limited: {self._sampled} sampled + {batch_size} > "
-                    f"{self.samples_per_insert} x {self._head} inserted + {self.rate_slack}"
-                )
+        k, slack = self.sampling.samples_per_insert, self.sampling.rate_slack
+        if k is not None and self._sampled + batch_size > k * self._head + slack:
+            return (f"rate limited: {self._sampled} sampled + {batch_size} > {k} x {self._head} "
+                    f"inserted + {slack}")  # fmt: skip
         return None
 
     def _draw(self, batch_size: int) -> tuple[list[int], list[float], int] | None:
         """Positions of a batch (and their first-draw probabilities), skipping stale ones;
         None when too few fresh ones are held. Caller holds the lock."""
-        floor = None if self.max_staleness is None else self._version - self.max_staleness
+        floor = self.sampling.floor(self._version)
         n = len(self)
         chosen: list[int] = []
         probs: list[float] = []
@@ -249,7 +236,7 @@ class MemoryRing:
             )
             out, version, size = self._hand_out(positions)
         if self._tree is not None:
-            weights = importance_weights(np.asarray(probs), size, self.beta)
+            weights = importance_weights(np.asarray(probs), size, self.sampling.priority_beta)
         else:
             weights = np.ones(batch_size, dtype=np.float32)
         return self._batch(out, weights, version, size, skipped + dropped, waited, start)
@@ -334,7 +321,7 @@ class MemoryRing:
 
     def _fresh_runs(self, oldest_first: bool = False) -> list[FreshRun]:
         """``take``'s candidates, newest insert first (or oldest). Caller holds the lock."""
-        floor = None if self.max_staleness is None else self._version - self.max_staleness
+        floor = self.sampling.floor(self._version)
         runs = []
         for first, end in self._inserts if oldest_first else reversed(self._inserts):
             lo = max(first, self._tail)
@@ -358,12 +345,13 @@ class MemoryRing:
         if self._tree is None:
             return 0
         found = 0
+        s = self.sampling
         with self._cond:
             for tid, d in zip(traj_ids, deltas, strict=True):
                 pos = self._index.get(tid)
                 if pos is None:
                     continue
-                p = priority_of(d, self.alpha, self.eps)
+                p = priority_of(d, s.priority_alpha, s.priority_eps)
                 self._tree.set(pos % self._capacity, p)
                 self._max_priority = max(self._max_priority, p)
                 found += 1
@@ -418,7 +406,7 @@ class MemoryRing:
             self._head = self._tail = self._evicted = self._evicted_unused = self._sampled = 0
             self._taken_count = 0
             self._rejected = self._dropped = self._version = 0
-            self._tree = SumTree(self._capacity) if self.prioritized else None
+            self._tree = SumTree(self._capacity) if self.sampling.prioritized else None
             self._max_priority = 1.0
             self._inserts.clear()
 

@@ -7,7 +7,8 @@ one-process run (``reval train``) writes the same layout without a process group
 written as ``step-{step:08d}.partial`` and renamed once complete, so a save cut short (a full or
 read-only disk, a kill) never leaves a ``step-*`` directory behind: a failed save removes its
 partial directory and raises ``CheckpointWriteError``, one line naming the path and the free
-space; partial directories of a killed save go at the next save. A consolidated
+space; partial directories of a killed save go at the next save. With ``keep``, a save then
+deletes all but the newest ``keep`` complete checkpoints. A consolidated
 Hugging Face checkpoint (what ``from_pretrained`` and vLLM load) is an export, not a checkpoint.
 """
 
@@ -63,9 +64,11 @@ def save_checkpoint(
     reference: nn.Module,
     optimizer: Optimizer,
     meta: dict[str, Any],
+    keep: int = 0,
 ) -> Path:
     """Save step ``meta["step"]``; every rank calls it. Returns the checkpoint's directory;
-    CheckpointWriteError (on every rank, nothing left on disk) when it cannot be written."""
+    CheckpointWriteError (on every rank, nothing left on disk) when it cannot be written.
+    ``keep``: then delete all but the newest ``keep`` checkpoints (``prune``; 0: none)."""
     path = ckpt_dir / f"step-{int(meta['step']):08d}"
     partial = path.with_name(path.name + PARTIAL)
     lead = not _distributed() or dist.get_rank() == 0
@@ -87,6 +90,7 @@ def save_checkpoint(
             latest = ckpt_dir / f"{LATEST}{PARTIAL}"
             latest.write_text(path.name)
             os.replace(latest, ckpt_dir / LATEST)
+            prune(ckpt_dir, keep, path)
     except (OSError, RuntimeError, CheckpointException) as err:
         error = err
     if lead and error is not None:
@@ -102,6 +106,21 @@ def save_checkpoint(
             f"could not write checkpoint {path} ({free_space(ckpt_dir)}): {reason}"
         ) from None
     return path
+
+
+def prune(ckpt_dir: Path, keep: int, newest: Path) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints under ``ckpt_dir``, newest by the
+    time each was written; ``newest`` (the one just written, which ``latest`` names) always
+    stays, even beside later steps of an earlier run. The deleted; none when ``keep`` is 0."""
+    if keep < 1:
+        return []
+    others = [p for p in ckpt_dir.glob("step-*")
+              if p.is_dir() and not p.name.endswith(PARTIAL) and p != newest]  # fmt: skip
+    others.sort(key=lambda p: p.stat().st_mtime)
+    gone = others[: max(0, len(others) - (keep - 1))]
+    for old in gone:
+        shutil.rmtree(old, ignore_errors=True)
+    return gone
 
 
 latest_checkpoint = latest_in
@@ -145,6 +164,8 @@ class Checkpointer:
     reference: nn.Module
     optimizer: Optimizer
     parts: Sequence[Stateful]
+    keep: int = 0
+    """Keep the newest this many checkpoints (``prune``; 0: every one)."""
 
     def meta(self, **extra: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -155,8 +176,9 @@ class Checkpointer:
     def save(self, **extra: Any) -> Path:
         """A checkpoint now; every rank calls it (``save_checkpoint``)."""
         return save_checkpoint(
-            self.ckpt_dir, self.model, self.reference, self.optimizer, self.meta(**extra)
-        )
+            self.ckpt_dir, self.model, self.reference, self.optimizer, self.meta(**extra),
+            self.keep,
+        )  # fmt: skip
 
     def load(self) -> tuple[Path, dict[str, Any]]:
         """The latest checkpoint into the modules, the optimizer and every part; its path and

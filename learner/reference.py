@@ -31,6 +31,7 @@ class ReferencePolicy:
         dtype: torch.dtype = torch.float32,
         packed: bool = False,
         auto_pack: float | None = None,
+        share: bool = False,
     ) -> None:
         """``model``: a ready copy of the policy (the learner service passes an FSDP-sharded
         one); by default a deep copy. ``sync_chunks``: under FSDP every rank must run the same
@@ -38,7 +39,8 @@ class ReferencePolicy:
         the ranks, and ranks with fewer run repeats whose results they drop. ``max_tokens`` and
         ``dtype``: the learner's token budget per micro-batch and compute dtype; ``packed``: the
         learner's micro-batch layout (``learner.packing``; ``auto_pack``: per share,
-        ``batches.layout``)."""
+        ``batches.layout``); ``share``: each distinct prompt of a micro-batch computed once
+        (``sequence.share_prompts``, the learner's ``share_prompts``)."""
         self.sync_chunks = sync_chunks
         self.model = model if model is not None else copy.deepcopy(policy)
         self.model.eval()
@@ -50,6 +52,7 @@ class ReferencePolicy:
         self.dtype = dtype
         self.packed = packed
         self.auto_pack = auto_pack
+        self.share = share
         if packed:
             use_varlen_attention(self.model)
         self.version = 0
@@ -86,13 +89,13 @@ class ReferencePolicy:
         if self.sync_chunks is not None and trajectories:
             extra = self.sync_chunks(len(parts)) - len(parts)
             if extra > 0:  # keep the FSDP collectives in step with the other ranks
-                batch = make_batch(trajectories[:1], self.pad_id, self.eos_id, packed)
+                batch = make_batch(trajectories[:1], self.pad_id, self.eos_id, packed, self.share)
                 batch = batch.to(device)
                 for _ in range(extra):
                     policy_stats(self.model, batch, self.dtype)
         for part in parts:
             chunk = [stale[i] for i in part]
-            batch = make_batch(chunk, self.pad_id, self.eos_id, packed).to(device)
+            batch = make_batch(chunk, self.pad_id, self.eos_id, packed, self.share).to(device)
             stats = policy_stats(self.model, batch, self.dtype)
             for t, slp, v1 in zip(chunk, stats.slp.tolist(), stats.v1.tolist(), strict=True):
                 t.ref_logprob_sum = slp

@@ -51,6 +51,11 @@ class Batch:
     """Packed: [N] where each kept position's log-prob lands in the [B, T] layout (b * T + t)."""
     bounds: tuple[int, ...] | None = None
     """Packed: where each sequence starts in the row, then the row's length (``cu_seqlens``)."""
+    kv_index: Tensor | None = None
+    """Shared prompts (``share_prompts``): [L, K] the row positions each position attends to
+    (its prompt's, then its own response's up to itself), padded with 0."""
+    kv_valid: Tensor | None = None
+    """Shared prompts: [L, K] which of ``kv_index`` are real (False on the padding)."""
 
     @property
     def response_len(self) -> int:
@@ -163,8 +168,94 @@ def pack(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
     )
 
 
-def make_batch(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int, packed: bool) -> Batch:
-    """``pack`` or ``collate``."""
+SHARED_MAX_KEYS = 64
+"""``share_prompts`` is used when no position attends to more than this many (prompt plus
+response so far): its attention gathers [heads, L, K, head_dim] keys and values, which costs
+nothing beside the layers at the demo's K = 7, and a lot at RL lengths (K in the thousands)."""
+
+
+def shared_keys(trajectories: Sequence[Trajectory]) -> int:
+    """K of ``share_prompts``: the most positions one position attends to."""
+    return max((t.prompt_ids.size + max(t.response_ids.size - 1, 0) for t in trajectories),
+               default=0)  # fmt: skip
+
+
+def share_prompts(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
+    """B trajectories as one row in which each distinct prompt appears once: the distinct
+    prompts first, then each response but its last token (the log-probs need the hidden states
+    before each response token, never after the last), ``position_ids`` going on from the
+    prompt's. The attention (``_varlen_sdpa`` with ``kv_index``) takes a response's keys from its
+    prompt's positions and its own: each sequence computes what it does alone, and the 16
+    answers of one prompt compute its prompt once. The [B, T] fields are ``collate``'s; ``keep``
+    and ``dest`` as ``pack``'s (V(s1) is the prompt's last position, shared)."""
+    padded = collate(trajectories, pad_id, eos_id)
+    tlen = padded.response_len
+    plens = np.array([t.prompt_ids.size for t in trajectories], dtype=np.int64)
+    rlens = np.array([t.response_ids.size for t in trajectories], dtype=np.int64)
+    if (plens < 1).any():
+        raise ValueError("a trajectory needs at least one prompt token")
+    starts: dict[bytes, int] = {}
+    ids: list[np.ndarray] = []
+    prompt_at = np.zeros(len(trajectories), dtype=np.int64)
+    at = 0
+    for b, t in enumerate(trajectories):
+        key = np.asarray(t.prompt_ids, dtype=np.int64).tobytes()
+        s = starts.get(key)
+        if s is None:
+            s = starts[key] = at
+            ids.append(t.prompt_ids)
+            at += t.prompt_ids.size
+        prompt_at[b] = s
+    prompt_tokens = at
+    m = np.maximum(rlens - 1, 0)  # each response's positions in the row
+    resp_at = prompt_tokens + np.concatenate([[0], np.cumsum(m)[:-1]]).astype(np.int64)
+    ids += [t.response_ids[:n] for t, n in zip(trajectories, m.tolist(), strict=True)]
+    # Segments: each distinct prompt (p = 0 prompt keys before it, n = its length), then each
+    # response (its prompt's p keys from s, then its own n positions from ``row``).
+    seg_row = np.concatenate([np.array(list(starts.values()), dtype=np.int64), resp_at])
+    seg_s = np.concatenate([np.zeros(len(starts), dtype=np.int64), prompt_at])
+    seg_p = np.concatenate([np.zeros(len(starts), dtype=np.int64), plens])
+    plen_of = {v: len(k) // 8 for k, v in starts.items()}
+    seg_n = np.concatenate([np.array([plen_of[v] for v in starts.values()], dtype=np.int64), m])
+    seg_pos0 = np.concatenate([np.zeros(len(starts), dtype=np.int64), plens])
+    seg_of = np.repeat(np.arange(seg_row.size), seg_n)  # [L] each position's segment
+    j = np.arange(seg_of.size) - seg_row[seg_of]  # [L] its place in the segment
+    width = int((seg_p + seg_n).max())
+    c = np.arange(width)[None, :]
+    p_, s_, row_ = seg_p[seg_of][:, None], seg_s[seg_of][:, None], seg_row[seg_of][:, None]
+    own = c - p_  # [L, K] the column's place among the segment's own positions
+    in_prompt = c < p_
+    index = np.where(in_prompt, s_ + c, np.where(own <= j[:, None], row_ + own, 0))
+    valid = in_prompt | ((own >= 0) & (own <= j[:, None]))
+    index = np.where(valid, index, 0)
+    positions = seg_pos0[seg_of] + j
+    k = np.where(rlens > 0, rlens, 1) if tlen else np.zeros_like(rlens)
+    seq = np.repeat(np.arange(len(trajectories)), k)  # [N] each kept position's sequence
+    t_ = np.arange(seq.size) - np.concatenate([[0], np.cumsum(k)[:-1]])[seq]
+    keep = np.where(t_ == 0, prompt_at[seq] + plens[seq] - 1, resp_at[seq] + t_ - 1)
+    dest = seq * tlen + t_
+    return Batch(
+        input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
+        attention_mask=None,
+        position_ids=torch.from_numpy(positions.astype(np.int64))[None],
+        responses=padded.responses,
+        mask=padded.mask,
+        rollout_logp=padded.rollout_logp,
+        reward=padded.reward,
+        keep=torch.from_numpy(keep.astype(np.int64)),
+        dest=torch.from_numpy(dest.astype(np.int64)),
+        kv_index=torch.from_numpy(index),
+        kv_valid=torch.from_numpy(valid),
+    )
+
+
+def make_batch(
+    trajectories: Sequence[Trajectory], pad_id: int, eos_id: int, packed: bool, share: bool = False
+) -> Batch:
+    """``pack`` or ``collate``; ``share`` (a ``VARLEN_SDPA`` model): ``share_prompts`` instead,
+    where no position attends to more than ``SHARED_MAX_KEYS``."""
+    if share and shared_keys(trajectories) <= SHARED_MAX_KEYS:
+        return share_prompts(trajectories, pad_id, eos_id)
     return (pack if packed else collate)(trajectories, pad_id, eos_id)
 
 
@@ -199,6 +290,10 @@ def _varlen_sdpa(
     batched); otherwise transformers' sdpa."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    if kwargs.get("reval_kv_index") is not None:
+        return _gathered_attention(
+            query, key, value, kwargs["reval_kv_index"], kwargs["reval_kv_valid"], scaling
+        ), None
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         return sdpa_attention_forward(
@@ -230,6 +325,24 @@ def _varlen_sdpa(
         outs.append(o.transpose(0, 1).flatten(1, 2)[None])  # [1, H, k * n, D]
         i = j
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _gathered_attention(
+    query: Tensor, key: Tensor, value: Tensor, index: Tensor, valid: Tensor, scaling: float | None
+) -> Tensor:
+    """Attention of a ``share_prompts`` row [1, H, L, D] (key and value [1, Hkv, L, D]) ->
+    [1, L, H, D]: position i attends to the positions ``index[i]`` where ``valid[i]``."""
+    _, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    k = key[0][:, index].unsqueeze(1)  # [Hkv, 1, L, K, D]: head h reads kv head h // groups
+    v = value[0][:, index].unsqueeze(1)
+    q = query[0].view(kv_heads, heads // kv_heads, length, 1, dim)
+    scale = dim**-0.5 if scaling is None else scaling
+    scores = (q * k).sum(-1) * scale  # [Hkv, groups, L, K]
+    scores = scores.masked_fill(~valid, float("-inf"))
+    weights = scores.float().softmax(-1).to(query.dtype)
+    out = (weights.unsqueeze(-1) * v).sum(-2)  # [Hkv, groups, L, D]
+    return out.reshape(heads, length, dim).transpose(0, 1)[None].contiguous()
 
 
 CUDA_VARLEN = True
@@ -291,6 +404,23 @@ def use_varlen_attention(model: nn.Module) -> None:
     ALL_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, _varlen_sdpa)
     ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, _varlen_sdpa_mask)
     config._attn_implementation = VARLEN_SDPA  # type: ignore[union-attr]
+
+
+SHARE_PROMPTS = False
+"""Whether a CPU learner whose model runs ``VARLEN_SDPA`` computes each distinct prompt of a
+micro-batch once (``share_prompts``). False: ``pack`` or ``collate`` as ``learner.packing`` says.
+Off: it made the demo's rounds 0.66x the CPU time, but its 600-round runs ended at 0.755 / 0.895
+/ 0.618 / 0.888 (seeds 0-3) against 0.955 / 0.908 / 0.928 / 0.925 with it off, below the slow
+test's 0.8 on seeds 0 and 2; why is not known (docs/demo.md, "What a round costs")."""
+
+
+def can_share_prompts(model: nn.Module, device: torch.device) -> bool:
+    """``SHARE_PROMPTS`` for this model on this device: the CPU (on a GPU, flash attention's varlen
+    kernels take packed rows) and the ``VARLEN_SDPA`` attention (``use_varlen_attention``)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)  # (not in the gathering)
+    return SHARE_PROMPTS and device.type == "cpu" and impl == VARLEN_SDPA and dropout == 0.0
 
 
 def resolve_packing(setting: bool | str, model: nn.Module) -> bool:
@@ -387,7 +517,11 @@ def policy_stats(
 
         keep: int | Tensor = batch.keep
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        if impl == VARLEN_SDPA and batch.bounds is not None:
+        if batch.kv_index is not None:
+            if impl != VARLEN_SDPA:
+                raise ValueError(f"a shared-prompt batch needs {VARLEN_SDPA}, not {impl}")
+            varlen = {"reval_kv_index": batch.kv_index, "reval_kv_valid": batch.kv_valid}
+        elif impl == VARLEN_SDPA and batch.bounds is not None:
             cu = torch.tensor(batch.bounds, dtype=torch.int32)
             mx = int(cu.diff().max())
             varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": mx,

@@ -1,7 +1,8 @@
 """``reval learner``: the learner half of the actor-learner service: ranks + the replay service
 + the one update step (``learner/step.py``, the same as ``reval train``'s).
 
-One process per rank under torch.distributed (gloo on CPU, NCCL on GPU; the same code), the
+One process per rank under torch.distributed (gloo on CPU, NCCL on GPU; the same code; how the
+ranks are started and stopped: ``learner/ranks.py``), the
 policy and the frozen reference sharded with FSDP2 (``fully_shard`` per decoder layer, then the
 root). Rank 0 draws the batches from the replay service by the algorithm's rule
 (``learner/batches.py``: fresh then replayed under the sample-to-insert limiter for the value
@@ -11,10 +12,14 @@ gradients) and rank 0 writes back the batch's cached reference quantities and pr
 every ``sync.every`` updates every rank sends the weights (``reval/weights/sender.py``: gathered
 in the compute dtype on the devices, broadcast from rank 0's device, the file written in the
 background). Checkpoints (``learner/checkpoint.py``, DCP) every
-``learner.checkpoint_every`` updates and on SIGTERM; ``--resume`` continues with the same step,
-policy version, reference and optimizer state (the buffer is in Redis: nothing generated is
-lost). A consolidated Hugging Face checkpoint is exported at the end, on SIGUSR1 while it runs
-(``run_dir/exports/step-N``), and from the latest checkpoint with ``reval learner --export``.
+``learner.checkpoint_every`` updates or ``learner.checkpoint_every_s`` seconds, whichever comes
+first, the newest ``learner.keep_checkpoints`` kept, and on every stop: SIGTERM or Ctrl-C finish
+the update in hand, checkpoint, log one line and exit 143 or 130. ``--resume`` continues with
+the same step, policy version, reference and optimizer state (the buffer is in Redis: nothing
+generated is lost); the first line of a start says from which step and checkpoint it resumed,
+or why it starts at step 0. A consolidated Hugging Face checkpoint is exported at the end, on
+SIGUSR1 while it runs (``run_dir/exports/step-N``), and from the latest checkpoint with
+``reval learner --export``.
 What the run needs before its first update (the tiny model's pretraining, the one-shot task's
 calibration) is done above, by ``services/setup.py``.
 """
@@ -22,18 +27,14 @@ calibration) is done above, by ``services/setup.py``.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
-import socket
-import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import redis
 import torch
@@ -48,28 +49,32 @@ from buffer.prefetch import Prefetcher
 from buffer.records import RecordLimits, Trajectory
 from buffer.redis_layout import RingCorrupt
 from learner.batches import BatchSource, context_limits, split_shares
-from learner.checkpoint import PARTIAL, Checkpointer, CheckpointWriteError
+from learner.checkpoint import PARTIAL, Checkpointer, latest_checkpoint
 from learner.export import export_hf
-from learner.parallel import build_models, init_group, rank_device, reduce_scalar
+from learner.parallel import build_models, rank_device, reduce_scalar
 from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner, UpdateMemoryError
 from reval import registry
 from reval.config import RunConfig, dump_config, public_dump
-from reval.control import LeaseHeld, LiveHParams, RunControl, RunLease, RunStatus, adopt_run
+from reval.control import (
+    LiveHParams,
+    RunControl,
+    RunLease,
+    RunStatus,
+    adopt_run,
+)
 from reval.metrics import PREFIX, JsonlWriter
 from reval.policy import compute_dtype, load_policy
-from reval.procs import follow_parent
 from reval.redis import connect
+from reval.retry import cut_short, skip_on_outage, skip_when_stopping, stop_waiting
+from reval.threads import tick as thread_tick
 from reval.weights.sender import build_sender
 
 log = logging.getLogger("reval.learner")
 
-PARENT_GRACE_S = 60.0
-"""A spawned rank whose ``reval learner`` parent died stops at once (SIGTERM: checkpoint and
-stop, as on a Ctrl-C); if it has not ended this many seconds later it exits hard."""
-
-LEASE_HELD_EXIT = 3
-"""Exit status of a spawned rank that found the run's lease held by another learner."""
+STOP_POLL_S = 5.0
+"""Rank 0 waits for a batch in turns of at most this long: a stop (SIGTERM, Ctrl-C) while the
+buffer is empty is seen within it."""
 
 MAX_FAILED_BATCHES = 3
 """Updates in a row that may raise on their batch (each batch quarantined) before the learner
@@ -84,6 +89,9 @@ class LearnerState:
     """Update attempts (skipped non-finite steps included)."""
     ref_version: int = 0
     ref_resets: int = 0
+    stopped_by: int = 0
+    """The signal that stopped the learner (SIGTERM, SIGINT; 0: it finished, or was stopped
+    otherwise): its ranks and ``reval learner`` exit with 128 + it."""
 
 
 @dataclass
@@ -153,6 +161,8 @@ class LearnerService:
         self.metrics = LearnerMetrics()
         self.started = time.time()
         self.stop = threading.Event()
+        self.stop_signal = 0
+        """The signal that asked for the stop (``request_stop``; 0: none)."""
         self.export_now = threading.Event()
         """Set (SIGUSR1, ``reval launch --export``): export an HF checkpoint before the next
         update, into ``run_dir/exports/step-N``."""
@@ -160,42 +170,11 @@ class LearnerService:
         # Token ids index the embedding (and the logits' last dimension): a record with an id
         # past it would raise inside the update, so the ring quarantines it on read.
         self.vocab_size = int(self.model.config.vocab_size)
-        self.buffer_metrics = BufferMetrics(self.metrics.registry) if self.rank == 0 else None
-        self.ring = make_consumer(
-            cfg.buffer,
-            cfg.name,
-            seed=cfg.seed * 7919 + self.rank,
-            metrics=self.buffer_metrics,
-            samples_per_insert=cfg.samples_per_insert,
-            limits=RecordLimits(self.vocab_size, cfg.buffer.reward_bound),
-            redis=cfg.redis,
+        self.buffer_metrics = (
+            BufferMetrics(self.metrics.registry, role="consumer") if self.rank == 0 else None
         )
-        self.source = BatchSource.from_config(self.ring, cfg)
+        self._build_update(cfg)
         self.client = connect(cfg.redis.url)
-        world = self.world
-        self.learner = Learner(
-            self.model,
-            cfg.learner,
-            cfg.algo,
-            int(self.tokenizer.pad_token_id),
-            int(self.tokenizer.eos_token_id),
-            self.device,
-            reference_model=self.reference_model,
-            reduce=reduce_scalar if world > 1 else None,
-            compute_dtype=compute_dtype(cfg.model),
-        )
-        self.update_step = UpdateStep(
-            self.learner,
-            cfg,
-            self.ring if self.rank == 0 else None,
-            self.metrics.update if self.rank == 0 else None,
-            reduce=reduce_scalar if world > 1 else None,
-            gather=_gather if world > 1 else None,
-        )
-        self.checkpointer = Checkpointer(
-            self.ckpt_dir, self.model, self.reference_model, self.learner.optimizer,
-            [self.learner, self.update_step, self.source],
-        )  # fmt: skip
         self.writer = JsonlWriter(cfg.paths.learner_log) if self.rank == 0 else None
         # The one weight sender (every rank gathers; rank 0 broadcasts, writes and announces).
         self.sender = build_sender(cfg, self.client if self.rank == 0 else None, self.rank,
@@ -203,6 +182,10 @@ class LearnerService:
         self.broadcast_to = 0
         self._files_counted = (0, 0)
         self.saved_step = -1
+        self.saved_at = time.monotonic()
+        """When the last checkpoint was written (or this learner started): the clock of
+        ``learner.checkpoint_every_s``."""
+        self.last_checkpoint: Path | None = None
         self.control = RunControl(self.client, cfg.redis.prefix, cfg.name)
         self.seen = {"checkpoint": 0, "export": 0}
         if self.rank == 0:
@@ -215,10 +198,53 @@ class LearnerService:
         self.published = False
         self.last_tick = time.monotonic()
         self.last_staleness = 0.0
+        self._window = [time.monotonic(), 0, 0, 0.0]
+        """Since the last progress line (``_progress``): its time, updates, trajectories and
+        seconds waited for data."""
         if resume:
             self.load_checkpoint()
+        elif self.rank == 0:
+            log.info("%s", self._fresh_start())
 
     # -- building ------------------------------------------------------------------------------
+
+    def _build_update(self, cfg: RunConfig) -> None:
+        """What an update needs: the ring it samples (rank 0 draws the batches), the batch
+        source, the learner, the one update step, the checkpointer of all their state."""
+        multi = self.world > 1
+        self.ring = make_consumer(
+            cfg.buffer,
+            cfg.name,
+            seed=cfg.seed * 7919 + self.rank,
+            metrics=self.buffer_metrics,
+            samples_per_insert=cfg.samples_per_insert,
+            limits=RecordLimits(self.vocab_size, cfg.buffer.reward_bound),
+            redis=cfg.redis,
+        )
+        self.source = BatchSource.from_config(self.ring, cfg)
+        self.learner = Learner(
+            self.model,
+            cfg.learner,
+            cfg.algo,
+            int(self.tokenizer.pad_token_id),
+            int(self.tokenizer.eos_token_id),
+            self.device,
+            reference_model=self.reference_model,
+            reduce=reduce_scalar if multi else None,
+            compute_dtype=compute_dtype(cfg.model),
+        )
+        self.update_step = UpdateStep(
+            self.learner,
+            cfg,
+            self.ring if self.rank == 0 else None,
+            self.metrics.update if self.rank == 0 else None,
+            reduce=reduce_scalar if multi else None,
+            gather=_gather if multi else None,
+        )
+        self.checkpointer = Checkpointer(
+            self.ckpt_dir, self.model, self.reference_model, self.learner.optimizer,
+            [self.learner, self.update_step, self.source], cfg.learner.keep_checkpoints,
+        )  # fmt: skip
 
     def _register(self, resume: bool) -> None:
         """Requests made before this learner started are not replayed; the run is registered
@@ -239,22 +265,51 @@ class LearnerService:
             updates=self.update_step.counts.updates,
             ref_version=self.learner.reference.version,
             ref_resets=self.update_step.counts.ref_resets,
+            stopped_by=self.stop_signal,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, quiet: bool = False) -> Path:
+        """A checkpoint now (every rank); ``quiet``: the caller's own line names it."""
         path = self.checkpointer.save()
         self.saved_step = self.learner.step
-        log.info("checkpoint %s", path)
+        self.saved_at = time.monotonic()
+        self.last_checkpoint = path
+        if not quiet and self.rank == 0:
+            log.info("checkpoint %s", path)
         return path
 
     def load_checkpoint(self) -> None:
+        """The latest checkpoint into every part; rank 0 says from which step and checkpoint
+        the run resumed (one line)."""
         if not self.cfg.paths.has_checkpoint():
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}")
         path, _meta = self.checkpointer.load()
         self.saved_step = self.learner.step
-        log.info("resumed from %s at step %d", path, self.learner.step)
+        self.last_checkpoint = path
+        if self.rank == 0:
+            log.info("resumed at step %d from checkpoint %s", self.learner.step, path)
+
+    def _fresh_start(self) -> str:
+        """The line of a learner that does not resume: why it starts at step 0."""
+        latest = latest_checkpoint(self.ckpt_dir)
+        if latest is None:
+            return f"starting at step 0: no checkpoint under {self.ckpt_dir}"
+        return (
+            f"starting over at step 0 although {latest} exists: neither --resume nor "
+            "--resume-if-any was given (this run's checkpoints replace the old ones: "
+            "learner.keep_checkpoints)"
+        )
+
+    def request_stop(self, signum: int = 0) -> None:
+        """Checkpoint and stop after the update in hand (every rank agrees before the next);
+        ``signum``: the signal that asked, which the exit status then carries. A wait for Redis
+        in hand (an outage ridden out for ``redis.outage_s``) ends at once (``stop_waiting``):
+        the checkpoint needs no Redis, and ``docker stop`` kills a learner after its grace."""
+        self.stop_signal = self.stop_signal or signum
+        self.stop.set()
+        stop_waiting()
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full weights on rank 0 (every rank must call this; others get {})."""
@@ -267,7 +322,10 @@ class LearnerService:
     def health(self) -> tuple[bool, str]:
         """Its loop goes round (an update, a wait for data or a pause poll)."""
         idle = time.monotonic() - self.last_tick
-        limit = max(900.0, 10 * self.cfg.sync.timeout_s, 2 * self.cfg.buffer.sample_timeout_s)
+        c = self.cfg  # (a Redis outage is ridden out, not stuck: redis.outage_s)
+        limit = max(
+            900.0, 10 * c.sync.timeout_s, 2 * c.buffer.sample_timeout_s, c.redis.outage_s + 60
+        )
         return idle < limit, f"last loop {idle:.0f} s ago"
 
     def ready(self) -> tuple[bool, str]:
@@ -341,7 +399,8 @@ class LearnerService:
         if self.rank == 0:
             self.metrics.sync_bytes.inc(done.nbytes)
             self.broadcast_to = done.receivers
-            self.ring.set_policy_version(version)
+            with skip_when_stopping():
+                self.ring.set_policy_version(version)
             self._file_metrics()
         self.published = True
         self.metrics.sync_s.inc(time.perf_counter() - t0)
@@ -372,7 +431,7 @@ class LearnerService:
             t0 = time.perf_counter()
             # Wait in short turns: the other ranks wait in a collective meanwhile, whose
             # timeout (sync.timeout_s) must not run out while the buffer is empty.
-            poll = min(self.cfg.buffer.sample_timeout_s, self.cfg.sync.timeout_s / 4)
+            poll = min(self.cfg.buffer.sample_timeout_s, self.cfg.sync.timeout_s / 4, STOP_POLL_S)
             try:
                 batch = prefetch.get(timeout=poll) if prefetch else self.source.next(poll)
                 weights = dict(zip(batch.traj_ids, batch.weights.tolist(), strict=True))
@@ -380,6 +439,10 @@ class LearnerService:
                 payload = [[(s, [weights[t.traj_id] for t in s]) for s in shares], None]
             except SampleTimeout as err:
                 payload = [None, str(err)]
+            except Exception as err:
+                if not cut_short(err):
+                    raise
+                payload = [None, "stopping"]  # (the wait for Redis, cut short: the loop stops)
             wait = time.perf_counter() - t0
         if self.world > 1:
             dist.broadcast_object_list(payload, src=0)
@@ -404,33 +467,17 @@ class LearnerService:
             )  # fmt: skip
         t_start = time.perf_counter()
         waited_since = 0.0
+        stopped = False
         try:
             while self.update_step.counts.updates < total:
                 self.last_tick = time.monotonic()
-                lost = self.lease is not None and self.lease.lost.is_set()
-                flags = torch.tensor(
-                    [float(self.stop.is_set()), float(self.export_now.is_set()), float(lost)]
-                )
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # any rank's request counts
-                todo = self._control()  # the run's control keys, as rank 0 read them
-                if flags[1].item() and not todo.export and self.rank == 0:
-                    # SIGUSR1 goes on the run's one control channel too (its events show it)
-                    with contextlib.suppress(redis.RedisError):
-                        self.seen["export"] = self.control.request("export")
-                if flags[1].item() or todo.export:
-                    self.export_now.clear()
-                    self.export_hf(self.export_path())
-                if todo.checkpoint:
-                    self.save_checkpoint()
-                if flags[0].item() or todo.stop:
-                    log.info("stopping: checkpoint at step %d", self.learner.step)
+                action = self._between_updates()
+                if action == "stop":
+                    stopped = True
                     break
-                if flags[2].item():
-                    log.error("the run's lease went to another learner: stopping, no checkpoint")
-                    self.saved_step = self.learner.step  # (that learner writes them now)
+                if action == "lost":
                     break
-                if todo.pause:
-                    self._status("paused")
+                if action == "pause":
                     time.sleep(0.2)
                     continue
                 got = self._next_batch(prefetch)
@@ -456,26 +503,78 @@ class LearnerService:
                 except Exception as err:  # a batch the checks let through
                     self._quarantine_batch(batch, err)
                     continue
-                self.failed_in_a_row = 0
-                self.metrics.update_s.inc(record["update_s"])
-                if self.update_step.counts.updates % cfg.sync.every == 0:
-                    self.publish()
-                if cfg.learner.checkpoint_every and (
-                    self.update_step.counts.updates % cfg.learner.checkpoint_every == 0
-                ):
-                    self.save_checkpoint()
-                self._log(record, wait, time.perf_counter() - t_start)
+                self._after_update(record, wait, t_start)
         finally:
             if prefetch is not None:
                 prefetch.close()
         if self.saved_step != self.learner.step:  # (not twice for one step)
-            self.save_checkpoint()
+            self.save_checkpoint(quiet=stopped)
+        if stopped and self.rank == 0:
+            why = signal.Signals(self.stop_signal).name if self.stop_signal else "a stop request"
+            log.info(
+                "stopped by %s at step %d: checkpoint %s (--resume or --resume-if-any "
+                "continues from it)", why, self.learner.step, self.last_checkpoint,
+            )  # fmt: skip
         finished = self.update_step.counts.updates >= total
-        if finished and not (self.lease is not None and self.lease.lost.is_set()):
+        lost = self.lease is not None and self.lease.lost.is_set()
+        if finished and not lost:
             self.export_hf(self.cfg.paths.final)
-        self._status("done" if finished else "stopped")
+        if not lost:  # (the run's status is the learner's that took the lease over)
+            self._status("done" if finished else "stopped")
         self.sender.close()
         return self.state
+
+    def _between_updates(self) -> Literal["go", "stop", "lost", "pause"]:
+        """Every rank's requests and the run's control between two updates, agreed by all ranks
+        (one all-reduce; any rank's request counts): an export, a checkpoint (asked for, or due
+        by ``learner.checkpoint_every_s``) done here; what the loop does next returned."""
+        every_s = self.cfg.learner.checkpoint_every_s
+        lost = self.lease is not None and self.lease.lost.is_set()
+        due = every_s > 0 and time.monotonic() - self.saved_at >= every_s
+        flags = torch.tensor(
+            [float(self.stop.is_set()), float(self.export_now.is_set()), float(lost),
+             float(due), float(self.stop_signal)]
+        )  # fmt: skip
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, export, lost, due = (bool(flags[i].item()) for i in range(4))
+        todo = self._control()  # the run's control keys, as rank 0 read them
+        if export and not todo.export and self.rank == 0:
+            # SIGUSR1 goes on the run's one control channel too (its events show it)
+            with contextlib.suppress(redis.RedisError):
+                self.seen["export"] = self.control.request("export")
+        if export or todo.export:
+            self.export_now.clear()
+            self.export_hf(self.export_path())
+        if todo.checkpoint:
+            self.save_checkpoint()
+        if stop or todo.stop:
+            self.stop_signal = int(flags[4].item())  # (every rank: the same status)
+            return "stop"
+        if lost:
+            log.error("the run's lease went to another learner: stopping, no checkpoint")
+            self.saved_step = self.learner.step  # (that learner writes them now)
+            return "lost"
+        if due and self.saved_step != self.learner.step:
+            self.save_checkpoint()  # learner.checkpoint_every_s since the last one
+        if todo.pause:
+            self._status("paused")
+            return "pause"
+        return "go"
+
+    def _after_update(self, record: dict[str, Any], wait: float, t_start: float) -> None:
+        """An update done: its time counted, the weights published every ``sync.every``
+        updates, a checkpoint every ``learner.checkpoint_every``, its row logged (its
+        ``elapsed_s`` since ``t_start``, the publish and checkpoint included)."""
+        self.failed_in_a_row = 0
+        self.metrics.update_s.inc(record["update_s"])
+        thread_tick(record["update_s"], "update")  # (the thread tuner: reval/threads.py)
+        updates = self.update_step.counts.updates
+        if updates % self.cfg.sync.every == 0:
+            self.publish()
+        every = self.cfg.learner.checkpoint_every
+        if every and updates % every == 0:
+            self.save_checkpoint()
+        self._log(record, wait, time.perf_counter() - t_start)
 
     def _quarantine_batch(
         self, batch: SampledBatch | None, err: Exception, every_rank: bool = False
@@ -502,10 +601,12 @@ class LearnerService:
     def _log(self, record: dict[str, Any], wait: float, elapsed: float) -> None:
         if self.rank != 0:
             return
-        alive = registry.count_alive(
-            self.client, self.cfg.redis.prefix, self.cfg.name, self.cfg.rollout.heartbeat_s
-        )
-        self.metrics.workers.set(alive)
+        alive: int | None = None  # (Redis away or refusing: not known; the outage is logged)
+        with skip_on_outage("learner: the workers' registry"):
+            alive = registry.count_alive(
+                self.client, self.cfg.redis.prefix, self.cfg.name, self.cfg.rollout.heartbeat_s
+            )
+            self.metrics.workers.set(alive)
         try:
             ring = self.ring.stats()
             counters = {
@@ -529,7 +630,26 @@ class LearnerService:
         }
         if self.writer is not None:
             self.writer.write(record)
+        self._progress(record, wait)
         self._status("paused" if self.paused else "running", record)
+
+    def _progress(self, record: dict[str, Any], wait: float) -> None:
+        """Rank 0's line every ``metrics.log_every`` updates (every update with ``reval learner
+        --verbose``): step, loss, batch reward, the wait for data and the throughput since the
+        last line."""
+        w = self._window
+        w[1], w[2], w[3] = w[1] + 1, w[2] + int(record.get("batch_size", 0)), w[3] + wait
+        every = self.cfg.metrics.log_every
+        if not every or self.update_step.counts.updates % every:
+            return
+        took = max(time.monotonic() - w[0], 1e-9)
+        log.info(
+            "step %d (update %d): loss %.4g, reward %.3f, waited %.1f s for data, "
+            "%.2f updates/s, %.1f trajectories/s",
+            self.learner.step, self.update_step.counts.updates, record["loss"],
+            record["batch_reward_mean"], w[3], w[1] / took, w[2] / took,
+        )  # fmt: skip
+        self._window = [time.monotonic(), 0, 0, 0.0]
 
     def _status(self, phase: str, last: dict[str, Any] | None = None) -> None:
         """The run's status hash (rank 0): what ``GET /v1/runs/{name}`` shows."""
@@ -549,197 +669,5 @@ class LearnerService:
         )
         if last is not None:
             status.last = last
-        try:
+        with skip_on_outage("learner: the run status"):  # (Redis away: the next one)
             self.control.publish_status(status)
-        except (redis.ConnectionError, redis.TimeoutError) as err:
-            log.warning("could not publish the run status: %s", err)
-
-
-_EARLY_STOP: list[threading.Event] = []
-"""Set by a signal that arrives before a spawned rank's service exists (``_rank_main``)."""
-
-
-def _rank_main(
-    rank: int,
-    world: int,
-    port: int,
-    cfg_json: str,
-    resume: bool,
-    out: str,
-    export: bool,
-    parent: int,
-) -> None:
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # (its default ends the process) until set
-    # A Ctrl-C or SIGTERM while the rank starts (before the service's handlers exist) must not
-    # kill one rank and leave the others in a collective: remember it, stop once running.
-    early = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda _s, _f: early.set())
-    _EARLY_STOP.append(early)
-    # A SIGKILL of the parent left its ranks training on as orphans, beside the next learner.
-    follow_parent(parent, signal.SIGTERM, PARENT_GRACE_S, what="learner rank")
-    if sys.platform.startswith("linux"):  # spawned ranks are all on this machine: gloo on lo
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),  # (one node: the rank picks its GPU, learner/parallel.py)
-    )
-    cfg = RunConfig.model_validate_json(cfg_json)
-    try:
-        run_rank(cfg, resume, out, export_only=export)
-    except LeaseHeld as err:
-        if rank == 0:
-            print(f"reval learner: {err}", file=sys.stderr, flush=True)
-        sys.exit(LEASE_HELD_EXIT)
-    except CheckpointWriteError as err:  # one line, not a traceback per rank
-        if rank == 0:
-            print(f"reval learner: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
-def run_rank(
-    cfg: RunConfig,
-    resume: bool,
-    out: str | None,
-    on_service: Callable[[LearnerService], None] | None = None,
-    handle_signals: bool = True,
-    export_only: bool = False,
-) -> LearnerState:
-    """One rank: join the process group, run, leave. ``on_service`` gets the service before it
-    runs (a Ray actor keeps it to stop it); ``handle_signals``: SIGTERM/SIGINT checkpoint and
-    stop (only in a process's main thread)."""
-    # OMP_NUM_THREADS, when set, is the operator's choice (torch already follows it); otherwise
-    # the ranks share the machine's cores. More threads than cores left to this process make
-    # OpenMP's spinning threads wait on each other: updates were 10x slower beside a worker.
-    if not os.environ.get("OMP_NUM_THREADS"):
-        world = max(1, int(os.environ["WORLD_SIZE"]))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    # Rank 0 may spend up to ~4 sync timeouts in the broadcast hub (a dead worker: the failed
-    # collective, then two timeouts of acknowledgements, then the new group) while the other
-    # ranks wait in the next collective. (The hub's groups are its own: a dead worker never
-    # stalls this group's collectives, reval/weights/collective.py.)
-    init_group(cfg.model.device, cfg.sync.backend, 4 * cfg.sync.timeout_s + 60)
-    lease = None
-    try:
-        lease = _take_lease(cfg)
-        service = LearnerService(cfg, resume)
-        service.lease = lease
-
-        def on_signal(signum: int, _frame: object) -> None:
-            log.info("rank %d: signal %d: checkpoint and stop", service.rank, signum)
-            service.stop.set()
-
-        if export_only:  # the latest checkpoint as a Hugging Face checkpoint, no training
-            path = service.export_hf(service.export_path())
-            if service.rank == 0 and out:
-                Path(out).write_text(json.dumps({**service.state.__dict__, "export": str(path)}))
-            return service.state
-
-        def on_export(signum: int, _frame: object) -> None:
-            log.info("rank %d: signal %d: export before the next update", service.rank, signum)
-            service.export_now.set()
-
-        if handle_signals:
-            signal.signal(signal.SIGTERM, on_signal)
-            signal.signal(signal.SIGINT, on_signal)
-            signal.signal(signal.SIGUSR1, on_export)
-        if on_service is not None:
-            on_service(service)
-        if any(e.is_set() for e in _EARLY_STOP):
-            log.info("rank %d: a stop arrived while starting: checkpoint and stop", service.rank)
-            service.stop.set()
-        if service.rank == 0 and cfg.metrics.prometheus_port is not None:
-            from reval.ops_http import OpsServer
-
-            OpsServer(cfg.metrics.prometheus_port, service.metrics.registry, cfg.metrics.addr,
-                      service.health, service.ready)  # fmt: skip
-        state = service.run()
-        if service.rank == 0 and out:
-            Path(out).write_text(json.dumps(state.__dict__))
-        dist.barrier()  # every rank is done before any tears its process group down
-        return state
-    finally:
-        if lease is not None:
-            lease.release()
-        dist.destroy_process_group()
-
-
-def _take_lease(cfg: RunConfig) -> RunLease | None:
-    """Rank 0 takes the run's one-learner lease (``reval/control.py: RunLease``); every rank
-    learns whether it did, and all raise LeaseHeld (naming the holder) if not. The lease of
-    rank 0, None elsewhere."""
-    verdict: list[Any] = [None]
-    lease = None
-    if dist.get_rank() == 0:
-        client = connect(cfg.redis.url)
-        lease = RunLease(client, cfg.redis.prefix, cfg.name, cfg.learner.lease_s)
-        try:
-            lease.acquire()
-        except LeaseHeld as err:
-            verdict[0] = str(err)
-            lease = None
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise LeaseHeld(verdict[0])
-    return lease
-
-
-def main(
-    cfg: RunConfig, resume: bool = False, nproc: int | None = None, export: bool = False
-) -> int:
-    """Under torchrun (RANK set): this process is one rank. Otherwise spawn ``nproc`` ranks
-    (default ``learner.world_size``) on this machine. ``export``: write the latest checkpoint
-    as a Hugging Face checkpoint (``run_dir/exports/step-N``) and stop; a running learner
-    exports on SIGUSR1 instead."""
-    if cfg.buffer.backend != "redis":
-        raise ValueError("the learner service needs buffer.backend=redis (the replay service)")
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    if export:
-        resume = True
-        if not cfg.paths.has_checkpoint():
-            raise ValueError(f"--export: no checkpoint under {cfg.run_dir / 'checkpoints'}")
-    if "RANK" in os.environ:
-        state = run_rank(cfg, resume, None, export_only=export)
-        print(json.dumps(state.__dict__), flush=True)
-        return 0
-    if nproc is not None and nproc < 1:
-        raise ValueError(f"nproc must be >= 1, got {nproc}")
-    world = nproc if nproc is not None else cfg.learner.world_size
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(cfg.paths.learner_state)
-    # Children ignore SIGINT/SIGTERM until they install their handlers; the parent forwards.
-    ctx = torch.multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(r, world, port, cfg.model_dump_json(), resume, out, export, os.getpid()),
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-
-    def forward(signum: int, _frame: object) -> None:
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                os.kill(p.pid, signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGUSR1, forward)
-    for p in procs:
-        p.join()
-    codes = [p.exitcode for p in procs]
-    if LEASE_HELD_EXIT in codes:
-        return 2  # (rank 0 said which learner holds the run)
-    if any(codes):
-        log.error("learner ranks exited with %s", codes)
-        return 1
-    print(Path(out).read_text(), flush=True)
-    return 0

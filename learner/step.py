@@ -26,6 +26,7 @@ from learner.trainer import Learner
 from reval.config import RunConfig
 from reval.control import LiveHParams
 from reval.metrics import PREFIX
+from reval.retry import skip_when_stopping
 
 Reduce = Callable[[float, str], float]
 """``reduce(x, "sum" | "max")`` over the learner ranks."""
@@ -182,10 +183,11 @@ class UpdateStep:
                 done.append(t)
                 ids.append(tid)
                 res.append(delta)
-        if self.learner.uses_reference:
-            self.buffer.write_back(done)
-        if self.cfg.buffer.prioritized:
-            self.buffer.update_priorities(ids, res)
+        with skip_when_stopping():  # (a stop during an outage: not written, the ranks go on)
+            if self.learner.uses_reference:
+                self.buffer.write_back(done)
+            if self.cfg.buffer.prioritized:
+                self.buffer.update_priorities(ids, res)
 
     def _mean(self, values: Sequence[float]) -> float:
         """The batch mean of per-trajectory values from every rank's share."""
@@ -265,10 +267,10 @@ class UpdateStep:
                 group["lr"] = float(changes.lr)
         if self.buffer is not None:
             if changes.samples_per_insert is not None:
-                self.buffer.samples_per_insert = float(changes.samples_per_insert)
+                self.buffer.sampling.samples_per_insert = float(changes.samples_per_insert)
             if changes.max_staleness is not None:
                 value = int(changes.max_staleness)
-                self.buffer.max_staleness = None if value < 0 else value
+                self.buffer.sampling.max_staleness = None if value < 0 else value
         self.applied = self.applied.merged(changes)
         done = changes.set_fields()
         if self.metrics is not None:

@@ -3,6 +3,7 @@ grad clip with the pre-clip norm logged, non-finite steps skipped."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -13,10 +14,16 @@ import torch
 from torch import nn
 
 from buffer.records import Trajectory
+from learner.algorithms import Algorithm, LossInputs, MiniBatch, build_algorithm
 from learner.batches import AUTO_PACK_BELOW, layout
-from learner.losses import LossOutput, grpo_advantages, grpo_loss, value_loss
 from learner.reference import ReferencePolicy
-from learner.sequence import make_batch, policy_stats, resolve_packing, use_varlen_attention
+from learner.sequence import (
+    can_share_prompts,
+    make_batch,
+    policy_stats,
+    resolve_packing,
+    use_varlen_attention,
+)
 from reval.config import AlgoConfig, LearnerConfig
 
 
@@ -72,13 +79,23 @@ class Learner:
     auto_pack: float | None = field(init=False)
     """``learner.packing = "auto"``: each share packed only when its padded micro-batches
     would compute less than this share of useful tokens (``batches.AUTO_PACK_BELOW``)."""
+    share_prompts: bool = field(init=False)
+    """Whether each distinct prompt of a micro-batch is computed once (``sequence.share_prompts``:
+    a CPU learner whose model can pack)."""
     reference: ReferencePolicy = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)
+    algorithm: Algorithm = field(init=False)
+    """``algo.name``'s loss (``learner/algorithms``: built-in, or the user's by import path)."""
     old_logp: dict[str, np.ndarray] = field(init=False, default_factory=dict)
     """GRPO: per-token log-probs of the policy before a round's first update, by ``traj_id``
     (``remember_old_logp``); the ratio of a later update of the round is taken against them."""
 
     def __post_init__(self) -> None:
+        self.algorithm = build_algorithm(self.algo)
+        if bool(self.algorithm.on_policy) != self.algo.on_policy:
+            its = "on" if self.algorithm.on_policy else "off"
+            raise ValueError(f"algo.name={self.algo.name} is {its}-policy, but algo.policy says "
+                             f"{self.algo.policy}")  # fmt: skip
         self.model.train()
         self.packed = resolve_packing(self.learner_cfg.packing, self.model)
         auto = self.learner_cfg.packing == "auto"
@@ -86,6 +103,7 @@ class Learner:
         self.auto_pack = below if auto else None
         if self.packed:
             use_varlen_attention(self.model)
+        self.share_prompts = self.packed and can_share_prompts(self.model, self.device)
         sync = None
         if self.reduce is not None:
             reduce = self.reduce
@@ -104,6 +122,7 @@ class Learner:
             dtype=self.compute_dtype,
             packed=self.packed,
             auto_pack=self.auto_pack,
+            share=self.share_prompts,
         )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -121,7 +140,8 @@ class Learner:
 
     @property
     def uses_reference(self) -> bool:
-        return not self.algo.on_policy
+        """The off-policy losses compare with the frozen reference (cached with each record)."""
+        return not self.algorithm.on_policy
 
     def state_dict(self) -> dict[str, int]:
         """The learner's counters, for a checkpoint's ``reval_state.json`` (its weights and
@@ -150,7 +170,8 @@ class Learner:
         packed, parts = self._layout(trajectories)
         for part in parts:
             chunk = [trajectories[i] for i in part]
-            batch = make_batch(chunk, self.pad_id, self.eos_id, packed).to(self.device)
+            batch = make_batch(chunk, self.pad_id, self.eos_id, packed, self.share_prompts)
+            batch = batch.to(self.device)
             logp = policy_stats(self.model, batch, self.compute_dtype).logp.float().cpu()
             for i, t in enumerate(chunk):
                 self.old_logp[t.traj_id] = logp[i, : t.response_ids.size].numpy().copy()
@@ -174,14 +195,12 @@ class Learner:
             raise ValueError("update needs at least one trajectory")
         if weights is not None and len(weights) != len(trajectories):
             raise ValueError(f"{len(weights)} weights for {len(trajectories)} trajectories")
-        if weights is not None and self.algo.on_policy:
-            raise ValueError("importance weights apply to the value losses, not grpo")
+        if weights is not None and self.algorithm.on_policy:
+            raise ValueError(f"importance weights apply to the value losses, not {self.algo.name}")
         w_all = None if weights is None else torch.as_tensor(list(weights), dtype=torch.float32)
         keep = None
         if self.algo.mask_truncated:  # responses cut at max_new_tokens leave the loss
             keep = torch.tensor([t.finish_reason != "length" for t in trajectories]).float()
-            if not self.algo.on_policy:
-                w_all = keep if w_all is None else w_all * keep
         failed: str | None = None
         try:
             totals, loss_total, delta = self._forward_backward(trajectories, w_all, keep)
@@ -228,23 +247,9 @@ class Learner:
         bsz = len(trajectories)
         packed, parts = self._layout(trajectories)
         chunks = [[trajectories[i] for i in part] for part in parts]
-        batches = [make_batch(c, self.pad_id, self.eos_id, packed) for c in chunks]
-        advantages = None
-        denom: float = float(bsz)
-        if self.algo.on_policy:
-            raw = torch.tensor([t.reward_raw for t in trajectories])
-            groups = [t.group_id for t in trajectories]
-            if keep is None:
-                advantages = grpo_advantages(raw, groups)
-            else:  # masked (truncated) answers leave their group's mean and std too
-                advantages = torch.zeros(bsz)
-                kept = keep.bool().nonzero()[:, 0]
-                if kept.numel():
-                    rows = kept.tolist()
-                    advantages[kept] = grpo_advantages(raw[kept], [groups[i] for i in rows])
-            denom = float(sum(float(b.mask.sum()) for b in batches))  # token mean over all B
-            if self.reduce is not None:
-                denom = self.reduce(denom, "sum") / self.reduce(1.0, "sum")
+        batches = [make_batch(c, self.pad_id, self.eos_id, packed, self.share_prompts)
+                   for c in chunks]  # fmt: skip
+        self.algorithm.begin(MiniBatch(trajectories, batches, w_all, keep, self.reduce))
         extra = 0
         if self.reduce is not None:
             # Shares of whole groups may differ in size (GRPO): a rank with fewer micro-batches
@@ -257,35 +262,10 @@ class Learner:
             rows = torch.tensor(part)
             batch = cpu_batch.to(self.device)
             stats = policy_stats(self.model, batch, self.compute_dtype)
-            out: LossOutput
-            if advantages is None:
-                slp_ref = torch.tensor([t.ref_logprob_sum for t in chunk], device=self.device)
-                v1_ref = torch.tensor([t.ref_value for t in chunk], device=self.device)
-                out = value_loss(
-                    self.algo.name,  # type: ignore[arg-type]
-                    stats.slp,
-                    stats.v1,
-                    slp_ref,
-                    v1_ref,
-                    batch.reward,
-                    self.algo.beta,
-                    denom,
-                    None if w_all is None else w_all[rows].to(self.device),
-                )
-            else:
-                adv = advantages[rows].to(self.device)
-                out = grpo_loss(
-                    stats.logp,
-                    self._old_logp(chunk, stats.logp),
-                    adv,
-                    batch.mask,
-                    clip_low=self.algo.clip_low,
-                    clip_high=self.algo.clip_high,
-                    clip_ratio_c=self.algo.clip_ratio_c,
-                    rollout_logp=batch.rollout_logp,
-                    tis_cap=self.algo.tis_cap,
-                    denom=denom,
-                )
+            out = self.algorithm.loss(
+                LossInputs(stats, batch, chunk, rows,
+                           functools.partial(self._old_logp, chunk, stats.logp))
+            )  # fmt: skip
             out.loss.backward()
             loss_total += float(out.loss.item())
             for k, v in out.metrics.items():

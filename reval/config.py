@@ -227,14 +227,12 @@ class TaskConfig(_Section):
     @field_validator("reward")
     @classmethod
     def _reward_spec(cls, value: str | None) -> str | None:
-        if value is not None:
-            module, colon, name = value.strip().rpartition(":")
-            if not colon or not module or not name.replace(".", "").replace("_", "a").isalnum():
-                raise ValueError(
-                    f"{value!r} is not 'package.module:function' or 'path/to/file.py:function'"
-                )
-            return value.strip()
-        return value
+        if value is None:
+            return value
+        from reval.plugins import split_spec
+
+        split_spec(value, "function")
+        return value.strip()
 
     @model_validator(mode="after")
     def _custom_needs(self) -> TaskConfig:
@@ -244,10 +242,18 @@ class TaskConfig(_Section):
         return self
 
 
+EngineName = Literal["hf", "vllm"]
+"""The generation engines (``rollout/generators.py`` builds each; ``reval rollout --engine``)."""
+ENGINES: tuple[str, ...] = get_args(EngineName)
+STREAMING_ENGINES = frozenset({"vllm"})
+"""The engines a worker streams with (``StreamEngine``, ``rollout/engines.py``); the others run
+lockstep."""
+
+
 class RolloutConfig(_Section):
     """Generation: how many answers per prompt and how they are sampled."""
 
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: EngineName = "hf"
     """Generation engine of the rollout workers: ``hf`` (transformers, CPU and GPU) or ``vllm``
     (GPU, the ``gpu`` extra). The one-process ``reval train`` always uses ``hf``."""
     prompts_per_round: int = Field(32, ge=1)
@@ -270,10 +276,17 @@ class RolloutConfig(_Section):
     from its own initialization as version 0)."""
     weights_poll_s: float = Field(1.0, gt=0)
     """How often a waiting worker looks for the learner's first weights."""
-    verifier_workers: int = Field(2, ge=1)
-    """Grading processes per rollout worker (math and custom tasks: ``rollout/verify.py``)."""
+    verifier_workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """Grading processes per rollout worker (math and custom tasks: ``rollout/grading_pool.py``);
+    ``"auto"``: one per CPU the process is given (``reval/threads.py``: its affinity, the
+    container's quota, Ray's ``num_cpus``), at most ``MAX_AUTO_GRADERS`` (8): see
+    ``grading_processes``."""
     verifier_timeout_s: float = Field(5.0, gt=0)
     """Per-answer grading timeout; a timeout scores 0 and is counted."""
+    grading_memory_mb: int = Field(2048, ge=0)
+    """Memory cap of each grading process (``RLIMIT_DATA``, MiB; what it starts inherits it;
+    0: none). An answer whose grading needs more fails at once, scores 0 and is counted as
+    ``memory`` (``reval_verifier_errors_total``)."""
     sandbox: Literal["bwrap", "unsafe-none"] = "bwrap"
     """Where model-written code runs (``rollout.graders:code_tests``; ``rollout/sandbox.py``):
     ``bwrap``, bubblewrap with no network, its own pid and user namespaces and only the
@@ -308,8 +321,10 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _streaming_engine(self) -> RolloutConfig:
-        if self.streaming and self.engine != "vllm":
-            raise ValueError("rollout.streaming=true needs rollout.engine=vllm (hf runs lockstep)")
+        if self.streaming and self.engine not in STREAMING_ENGINES:
+            streams = "|".join(sorted(STREAMING_ENGINES))
+            raise ValueError(f"rollout.streaming=true needs rollout.engine={streams} "
+                             f"({self.engine} runs lockstep)")  # fmt: skip
         if self.max_inflight is not None and self.max_inflight < self.n:
             raise ValueError(
                 f"rollout.max_inflight ({self.max_inflight}) must be >= rollout.n ({self.n})"
@@ -318,7 +333,19 @@ class RolloutConfig(_Section):
 
     def streams(self) -> bool:
         """Whether a rollout worker streams (``streaming``, by engine when unset)."""
-        return self.engine == "vllm" if self.streaming is None else self.streaming
+        return self.engine in STREAMING_ENGINES if self.streaming is None else self.streaming
+
+    MAX_AUTO_GRADERS: ClassVar[int] = 8
+    """The most grading processes ``verifier_workers = "auto"`` starts."""
+
+    def grading_processes(self) -> int:
+        """The grading pool's size: ``verifier_workers``, or for ``"auto"`` the CPUs this process
+        is given (at least 1, at most ``MAX_AUTO_GRADERS``)."""
+        if self.verifier_workers != "auto":
+            return int(self.verifier_workers)
+        from reval.threads import cpus_given
+
+        return max(1, min(self.MAX_AUTO_GRADERS, math.floor(cpus_given())))
 
 
 class BufferConfig(_Section):
@@ -431,18 +458,39 @@ class LearnerConfig(_Section):
     """``reval learner``: batches sampled ahead while an update runs (0: none)."""
     ref_reset_steps: int = Field(200, ge=0)
     """Copy the policy into the reference every this many rounds (the paper: 200; 0 = never)."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Save a checkpoint every this many rounds (0: only at the end)."""
+    checkpoint_every: int = Field(500, ge=0)
+    """Save a checkpoint every this many updates (``reval learner``) or rounds (``reval train``)
+    (0: not by count). A stop (Ctrl-C, SIGTERM, ``reval runs stop``) and the end always write
+    one."""
+    checkpoint_every_s: float = Field(600.0, ge=0)
+    """Also save one when this many seconds have passed since the last (0: not by time):
+    whichever of the two comes first. A learner killed hard loses at most this much work."""
+    keep_checkpoints: int = Field(3, ge=0)
+    """``reval learner`` and ``reval train``: keep the newest this many checkpoints, deleting
+    older ones after each save (0: keep every one). Checkpoints by time add up: a 1.5B model's
+    (fp32 weights and AdamW) is ~18 GB, every 10 minutes."""
     stop_at_success: float | None = Field(None, gt=0, le=1)
     """``reval train`` on the one-shot task: stop once the exact success rate reaches this (the
     one-shot study's rounds-to-threshold)."""
 
 
+BUILTIN_ALGORITHMS: dict[str, bool] = {"reval": False, "tbrm": False, "regression": False,
+                                       "grpo": True}  # fmt: skip
+"""The built-in losses (the table of ``learner/algorithms/``) and whether each is on-policy."""
+
+
 class AlgoConfig(_Section):
     """The loss and the reward."""
 
-    name: Literal["reval", "tbrm", "regression", "grpo"] = "reval"
-    """Loss: ReVal, its baselines TBRM and the regression variant, or GRPO (on-policy, K=1)."""
+    name: str = "reval"
+    """Loss: ReVal, its baselines TBRM and the regression variant, GRPO (on-policy, K=1), or a loss
+    of your own by import path (``package.module:Class``, ``path/to/file.py:Class``: a class
+    built with this section, ``learner/algorithms/base.py: Algorithm``), with ``policy`` set
+    (docs/algorithm.md, "Adding a loss"; not over the REST API)."""
+    policy: Literal["off", "on"] | None = None
+    """How a loss of your own is fed: ``off`` (the buffer replays each trajectory K times
+    against the frozen reference, as for ReVal) or ``on`` (each trajectory once, in whole groups
+    of its prompt, as for GRPO). A built-in loss knows its own (unset, or the same)."""
     beta: float = Field(0.02, gt=0)
     """KL strength beta of the soft Bellman residual (paper: 0.002 for ~5K-token answers, 0.02
     for ~600). The residual compares a *sum* of log-ratios with r/beta: scale with length."""
@@ -472,14 +520,42 @@ class AlgoConfig(_Section):
     tis_cap: float = 2.0
     """GRPO: cap C of the truncated importance weight min(exp(old - rollout), C); <= 0 is off."""
 
+    @field_validator("name")
+    @classmethod
+    def _loss_name(cls, value: str) -> str:
+        if value in BUILTIN_ALGORITHMS:
+            return value
+        from reval.plugins import split_spec
+
+        try:
+            split_spec(value, "Class")
+        except ValueError as err:
+            names = ", ".join(BUILTIN_ALGORITHMS)
+            raise ValueError(f"{err}, nor a built-in loss ({names})") from None
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _loss_policy(self) -> AlgoConfig:
+        builtin = BUILTIN_ALGORITHMS.get(self.name)
+        if builtin is None and self.policy is None:
+            raise ValueError(f"algo.name={self.name} (a loss of your own) needs algo.policy: "
+                             "off (replayed against the reference) or on (each trajectory "
+                             "once)")  # fmt: skip
+        if builtin is not None and self.policy is not None and (self.policy == "on") != builtin:
+            raise ValueError(f"algo.policy={self.policy}, but {self.name} is "
+                             f"{'on' if builtin else 'off'}-policy")  # fmt: skip
+        return self
+
     @property
     def on_policy(self) -> bool:
         """Where the algorithms differ, asked in one place (never by name). GRPO is on-policy:
         each trajectory is trained on once, in whole groups of its prompt (its advantages need
         the group), newest first, with no reference, no importance weights of prioritized replay
         and a token-mean loss. The value losses (ReVal, TBRM, regression) are off-policy: they
-        replay the buffer K times against a frozen reference (docs/algorithm.md)."""
-        return self.name == "grpo"
+        replay the buffer K times against a frozen reference (docs/algorithm.md). A loss of
+        your own: ``policy``."""
+        builtin = BUILTIN_ALGORITHMS.get(self.name)
+        return builtin if builtin is not None else self.policy == "on"
 
 
 class SyncConfig(_Section):
@@ -518,12 +594,17 @@ class LaunchConfig(_Section):
 
     workers: int = Field(2, ge=0)
     """Rollout workers to start (``reval launch --add/--remove`` change it during the run)."""
-    learner_cpus: float = Field(1.0, gt=0)
-    """CPUs reserved for each learner rank."""
+    learner_cpus: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
+    """CPUs reserved for each learner rank (a Ray actor's ``num_cpus``: its thread budget,
+    ``reval/threads.py``). ``"auto"``: on a local Ray, an even share of the machine's CPUs
+    between the learner's ranks and the workers ``reval launch`` starts (see ``cpus``); on a
+    cluster, 1."""
     learner_gpus: float = Field(0.0, ge=0)
     """GPUs reserved for each learner rank (1 on a GPU node)."""
-    rollout_cpus: float = Field(1.0, gt=0)
-    """CPUs reserved for each rollout worker."""
+    rollout_cpus: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
+    """CPUs reserved for each rollout worker. ``"auto"``: on a local Ray, what the learner's
+    ranks leave of the machine's CPUs, shared evenly between the workers (see ``cpus``); on a
+    cluster, 1."""
     rollout_gpus: float = Field(0.0, ge=0)
     """GPUs reserved for each rollout worker (1 for a vLLM worker on a GPU node)."""
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -542,6 +623,42 @@ class LaunchConfig(_Section):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """The driver's ``/metrics``, ``/healthz``, ``/readyz`` (at ``metrics.addr``; None: off)."""
 
+    def cpus(self, world_size: int, cores: int | None) -> tuple[float, float]:
+        """``(learner rank, rollout worker)`` CPUs, ``learner_cpus`` and ``rollout_cpus`` with
+        ``"auto"`` resolved for a local Ray on a machine of ``cores`` CPUs (``local_cpus`` if
+        set): both ``"auto"``, an even share between the ``world_size`` ranks and the
+        ``workers``; one set, the other role shares what it leaves; whole CPUs, at least 1 (on
+        a machine with fewer CPUs than processes, 1 each: the thread tuner copes). ``cores``
+        None (a cluster, whose nodes are not known here): 1 each."""
+        if cores is None:
+            learner = 1.0 if self.learner_cpus == "auto" else float(self.learner_cpus)
+            return learner, 1.0 if self.rollout_cpus == "auto" else float(self.rollout_cpus)
+        cores = self.local_cpus or cores
+        rollout = None if self.rollout_cpus == "auto" else float(self.rollout_cpus)
+        if self.learner_cpus != "auto":
+            learner = float(self.learner_cpus)
+        elif rollout is not None:  # the ranks share what the workers leave
+            learner = float(max(1, math.floor((cores - self.workers * rollout) / world_size)))
+        else:
+            learner = float(max(1, cores // (world_size + self.workers)))
+        if rollout is not None:
+            return learner, rollout
+        left = cores - world_size * learner
+        return learner, float(max(1, int(left // self.workers) if self.workers else int(left)))
+
+    def local_ray_cpus(self, world_size: int, cores: int) -> int:
+        """The logical CPUs of the local Ray ``reval launch`` starts: ``local_cpus``, else
+        enough for the learner ranks and the workers with two to spare, at least ``cores``."""
+        learner, rollout = self.cpus(world_size, cores)
+        need = world_size * learner + (self.workers + 2) * rollout
+        return self.local_cpus or max(int(need + 0.999), cores)
+
+    def local_ray_room(self, world_size: int, cores: int) -> int:
+        """How many rollout workers (CPUs only) that local Ray has room for beside the learner."""
+        learner, rollout = self.cpus(world_size, cores)
+        free = self.local_ray_cpus(world_size, cores) - world_size * learner
+        return max(0, int(free / rollout + 1e-9))
+
 
 class MetricsConfig(_Section):
     """What the run records."""
@@ -556,6 +673,10 @@ class MetricsConfig(_Section):
     """Serve Prometheus metrics (and ``/healthz``, ``/readyz``) on this port (``None``: off)."""
     addr: str = "127.0.0.1"
     """Address of that endpoint (``0.0.0.0`` in a container, for Prometheus to scrape)."""
+    log_every: int = Field(10, ge=0)
+    """``reval learner``: a log line every this many updates (step, loss, batch reward, the wait
+    for data, updates and trajectories per second since the last line; 0: none; ``--verbose``:
+    every update)."""
 
 
 class EvalConfig(_Section):
@@ -589,6 +710,10 @@ class RedisConfig(_Section):
     prefix: str = "reval:"
     """Every key of a run is ``{prefix}{{run}}:...``, the run's name in braces (a Redis Cluster
     hash tag: one slot per run); runs are isolated (docs/architecture.md)."""
+    outage_s: float = Field(600.0, gt=0)
+    """How long every process (learner, workers) rides out Redis being unreachable or refusing
+    writes (MISCONF: its disk is full, OOM, READONLY) before it gives up: it logs once when it
+    starts waiting and once when Redis is back; workers keep their batches in the spool."""
 
 
 DEPRECATED_REDIS = {"redis_url": "url", "key_prefix": "prefix"}
@@ -1056,6 +1181,7 @@ class ApiConfig(BaseModel):
     the public names it defines itself). Nothing else is imported over REST
     (``reval train`` and the CLI take any import path). ``--plugin`` (repeatable),
     ``REVAL_API__PLUGINS`` (comma-separated)."""
+
     token_env: str = "REVAL_API_TOKEN"
     """Environment variable holding the bearer token of mutating requests."""
     dev: bool = False
@@ -1109,3 +1235,12 @@ class ApiConfig(BaseModel):
             fields[name] = [p.strip() for p in raw.split(",") if p.strip()] if listed else raw
         fields.update({k: v for k, v in given.items() if v is not None})
         return cls(**fields)
+
+    @field_validator("plugins")
+    @classmethod
+    def _plugin_entries(cls, value: list[str]) -> list[str]:
+        from reval.plugins import split_spec
+
+        for entry in value:
+            split_spec(entry, wildcard=True)  # (a malformed entry: said at start, not per request)
+        return [e.strip() for e in value]

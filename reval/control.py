@@ -37,6 +37,7 @@ from typing import Any, Literal, cast
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from reval.procs import pid_alive
 from reval.redis import control_key, events_key, lease_key, runs_key, status_key
 
 PHASES = ("running", "paused", "stopping")
@@ -159,7 +160,8 @@ class RunStatus(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     phase: str | None = None
-    """``running``, ``paused``, ``stopped``, ``done``, ``failed`` (None: nothing reported)."""
+    """``starting``, ``running``, ``paused``, ``stopped``, ``done``, ``failed`` (None: nothing
+    reported)."""
     step: int | None = None
     """Optimizer steps taken."""
     updates: int | None = None
@@ -178,6 +180,16 @@ class RunStatus(BaseModel):
 
 DRIVER_TIMEOUT_S = 30.0
 """A ``reval launch`` driver whose heartbeat is older than this is gone."""
+
+STARTING_BEAT_S = 5.0
+"""While ``reval learner`` starts (the model, the tiny model's pretraining, the ranks joining),
+it writes the run's status phase ``starting`` this often (``learner/ranks.py:
+StartingStatus``), until its rank 0 reports a phase of its own (after its first update, a
+pause or a stop), which the beat never writes over."""
+
+STARTING_TIMEOUT_S = 30.0
+"""A ``starting`` status older than this, with the run's lease not held, is a learner that died
+while it started."""
 
 
 @dataclass
@@ -378,15 +390,7 @@ def _alive_here(holder: dict[str, Any]) -> bool:
     at all). A pid reused by another process (a restarted container) counts as alive: its lease
     then runs out."""
     pid = holder.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return not isinstance(pid, int) or pid <= 0 or pid_alive(pid)
 
 
 class RunLease:
@@ -418,6 +422,14 @@ class RunLease:
         except ValueError:
             return {"raw": raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)}
         return out if isinstance(out, dict) else {"raw": str(out)}
+
+    def live_holder(self) -> dict[str, Any] | None:
+        """The holder while it may be alive; None when the lease is free or its holder on this
+        host is gone (``acquire`` would take it at once)."""
+        holder = self.holder()
+        if holder and holder.get("host") == socket.gethostname() and not _alive_here(holder):
+            return None
+        return holder
 
     def acquire(self, wait_s: float | None = None) -> None:
         """Take the lease (waiting up to ``wait_s``, default one lease time, for a holder to

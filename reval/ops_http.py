@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,8 +24,38 @@ def always_ok() -> tuple[bool, str]:
     return True, ""
 
 
+class PortTaken(OSError):
+    """The metrics/health port is in use (or may not be bound here): the message names it and
+    the setting that moves it; the commands print it on one line and exit 1."""
+
+
+def port_taken(port: int, addr: str, err: OSError) -> PortTaken:
+    """The PortTaken for ``addr:port`` refusing a bind with ``err``."""
+    taken = PortTaken(
+        f"cannot serve metrics and health on {addr}:{port} ({err.strerror or err}): another "
+        f"process holds the port; stop it, or pick a free one with --set "
+        f"metrics.prometheus_port=<port> (reval rollout: --metrics-port <port>; 0: any free)"
+    )
+    taken.errno = err.errno
+    return taken
+
+
+def check_port(port: int, addr: str = "0.0.0.0") -> None:
+    """PortTaken now unless ``addr:port`` can be bound (as the server binds it): for a process
+    that serves later, after minutes of setting up, or in a child (the learner's rank 0)."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as ThreadingHTTPServer)
+        try:
+            s.bind((addr, port))
+        except OSError as err:
+            raise port_taken(port, addr, err) from None
+
+
 class OpsServer:
-    """Serves ``/metrics``, ``/healthz`` and ``/readyz`` on a daemon thread."""
+    """Serves ``/metrics``, ``/healthz`` and ``/readyz`` on a daemon thread; a port it cannot
+    bind raises PortTaken."""
 
     def __init__(
         self,
@@ -66,7 +97,10 @@ class OpsServer:
 
         self.registry = registry
         self.health, self.ready = health, ready
-        self.httpd = ThreadingHTTPServer((addr, port), Handler)
+        try:
+            self.httpd = ThreadingHTTPServer((addr, port), Handler)
+        except OSError as err:
+            raise port_taken(port, addr, err) from None
         self.httpd.daemon_threads = True
         self.port = int(self.httpd.server_address[1])
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="ops-http",

@@ -149,8 +149,14 @@ class RewardNotFound(ValueError):
 
 
 def reward_file(spec: str) -> str | None:
-    """The file of a ``path/to/file.py:function`` reward spec; None for ``module:function``."""
-    module = spec.rpartition(":")[0]
+    """The file of a ``path/to/file.py:function`` spec (a reward's, an environment's); None for
+    ``module:function`` and for what is no import path (a built-in environment's name)."""
+    from reval.plugins import split_spec
+
+    try:
+        module = split_spec(spec)[0]
+    except ValueError:
+        return None
     return module if module.endswith(".py") else None
 
 
@@ -353,16 +359,28 @@ def check_run_paths(
                 check_dataset(source, field)
 
 
+def human_bytes(n: float) -> str:
+    """A size in the largest binary unit that keeps it at 1 or more: ``512 B``, ``12.3 KiB``,
+    ``4.0 MiB``, ``1.25 GiB`` (a small disk's free space is not ``0.00 GiB``)."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if n < 10 else f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
 def free_space(path: str | Path) -> str:
     """Free space on the file system that holds ``path`` (its nearest existing ancestor), for
-    the one-line message of a write that failed (``N.NN GiB free on DIR``)."""
+    the one-line message of a write that failed (``12.3 MiB free on DIR``)."""
     path = Path(path)
     for p in (path, *path.parents):
         try:
             free = shutil.disk_usage(p).free
         except OSError:
             continue
-        return f"{free / 2**30:.2f} GiB free on {p}"
+        return f"{human_bytes(free)} free on {p}"
     return "free space unknown"
 
 

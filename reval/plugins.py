@@ -12,11 +12,15 @@ from pathlib import Path
 from typing import Any
 
 
-def split_spec(spec: str) -> tuple[str, str]:
-    """(module or file, attribute path) of ``spec``; ValueError when it is not of either form."""
+def split_spec(spec: str, noun: str = "name", wildcard: bool = False) -> tuple[str, str]:
+    """(module or file, attribute path) of ``spec``, the one parser of the form (a config's
+    ``task.reward`` and ``task.environment``, the API's allowlist); ValueError when it is not
+    of either form, in words naming what the field holds (``noun``: ``'package.module:noun'``).
+    ``wildcard``: ``module:*`` is a form too (an allowlist's entry)."""
     module, colon, name = spec.strip().rpartition(":")
-    if not colon or not module or not name or not all(p.isidentifier() for p in name.split(".")):
-        raise ValueError(f"{spec!r} is not 'package.module:name' or 'path/to/file.py:name'")
+    named = bool(name) and all(p.isidentifier() for p in name.split("."))
+    if not colon or not module or not (named or (wildcard and name == "*")):
+        raise ValueError(f"{spec!r} is not 'package.module:{noun}' or 'path/to/file.py:{noun}'")
     return module, name
 
 
@@ -99,7 +103,7 @@ def listed(spec: str, allowlist: tuple[str, ...] | list[str]) -> str | None:
     module, name = split_spec(spec)
     found = None
     for entry in allowlist:
-        m, _, n = entry.strip().rpartition(":")
+        m, n = split_spec(entry, wildcard=True)
         if m != module:
             continue
         if n == name:

@@ -61,6 +61,20 @@ class RunDir:
         """The announced weight files, unless ``sync.weights_dir`` puts them elsewhere."""
         return self.root / "weights"
 
+    @property
+    def spool(self) -> Path:
+        """A rollout worker's unsent records, kept when it stopped with Redis away or the ring
+        corrupt (one ``<time>-<n>.spool`` file per chunk); the next worker started on this run
+        directory sends them first (``buffer/redis_producer.py``)."""
+        return self.root / "spool"
+
+    def learner_stopped(self, parent: int) -> Path:
+        """``.learner-<parent>.stopped``: rank 0 of the ranks that ``reval learner`` (pid
+        ``parent``) spawned writes it when it stopped the run with its one line (a corrupt ring,
+        a taken port), so the other ranks and the parent exit without a traceback of the
+        collective its exit broke; the parent deletes it (``learner/ranks.py``)."""
+        return self.root / f".learner-{parent}.stopped"
+
     def export(self, step: int) -> Path:
         """A Hugging Face export asked for at optimizer step ``step``."""
         return self.root / "exports" / f"step-{step:08d}"

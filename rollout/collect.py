@@ -17,10 +17,11 @@ from reval.config import AlgoConfig
 from reval.rewards import RewardVariant, transform_rewards
 from rollout.engines import GenerationEngine, SamplingParams
 from rollout.environment import EpisodeRunner, skipped_counts
+from rollout.grading_pool import PooledVerifier
 from rollout.task_types import Prompt, Task, Verifier
-from rollout.verify import PooledVerifier
 
 _NO_MASK = np.zeros(0, dtype=np.uint8)  # a single-turn answer: every token is an action
+_NO_SPANS = np.zeros(0, dtype=np.int32)  # one weight version sampled it
 
 
 @dataclass
@@ -44,17 +45,72 @@ class RoundResult:
 
 
 @dataclass
-class _Answer:
-    """One answer of the round before it is a record."""
+class Answer:
+    """One answer before it is a record, from either generation loop (``collect_round``, the
+    streaming worker's groups: ``rollout.streaming.group_records``)."""
 
-    row: int
     prompt: Prompt
+    prompt_ids: Sequence[int]
     group: str
+    """Its group id: the answers to one prompt in one round (rewards are transformed per group)."""
     token_ids: np.ndarray
     logprobs: np.ndarray
-    action_mask: np.ndarray
     finish_reason: FinishReason
+    policy_version: int
+    """The weights that sampled it (the first, when several did: ``spans``)."""
+    action_mask: np.ndarray = field(default_factory=lambda: _NO_MASK)
+    """A multi-turn episode's: 1 on the model's tokens (empty: every token is an action)."""
+    spans: np.ndarray = field(default_factory=lambda: _NO_SPANS)
+    """``[start, version, ...]``: the weight versions that sampled it (empty or one span: only
+    ``policy_version``; a record keeps spans only when there are several)."""
     turns: int = 1
+
+
+def grade_answers(
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase,
+    stop_ids: Sequence[int],
+    answers: Sequence[Answer],
+    truncation: Truncation,
+) -> list[float]:
+    """The raw rewards of single-turn answers: the task's verifier on each answer's text cut at
+    ``stop_ids`` (the engine's stop set, ``reval.answers.answer_text``), then ``truncation`` on
+    answers cut at the token limit."""
+    pairs = [(a.prompt, answer_text(tokenizer, a.token_ids, stop_ids)) for a in answers]
+    reasons = [a.finish_reason for a in answers]
+    raw = score_all(task.verifier, pairs, reasons)
+    return truncation.apply(raw, reasons, [int(a.token_ids.size) for a in answers])
+
+
+def build_records(
+    answers: Sequence[Answer],
+    raw: Sequence[float],
+    reward_variant: RewardVariant,
+    *,
+    worker_id: str = "",
+    run_id: str = "",
+) -> list[Trajectory]:
+    """The records of graded answers, their rewards transformed per group: the one place a
+    trajectory is built on its way from an engine to the ring."""
+    rewards = transform_rewards(list(raw), [a.group for a in answers], reward_variant)
+    return [
+        Trajectory(
+            prompt_ids=a.prompt_ids,
+            response_ids=a.token_ids,
+            logprobs=a.logprobs,
+            reward_raw=r_raw,
+            reward=r,
+            prompt_id=a.prompt.id,
+            group_id=a.group,
+            finish_reason=a.finish_reason,
+            policy_version=a.policy_version,
+            worker_id=worker_id,
+            run_id=run_id,
+            action_mask=a.action_mask,
+            version_spans=a.spans if a.spans.size > 2 else _NO_SPANS,
+        )
+        for a, r_raw, r in zip(answers, raw, rewards, strict=True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -126,20 +182,16 @@ def collect_round(
     multi-turn episode, rewarded by its environment; episodes whose environment misbehaved are
     left out and counted."""
     prompt_ids = encode_prompts(tokenizer, prompts)
-    answers: list[_Answer] = []
+    answers: list[Answer] = []
     skipped: dict[str, int] = {}
+    version = engine.policy_version
     if episodes is None:
         samples = engine.generate(prompt_ids, params, seed)
         for i, (prompt, group) in enumerate(zip(prompts, samples, strict=True)):
-            for s in group:
-                answers.append(_Answer(i, prompt, f"{group_prefix}-{i}", s.token_ids,
-                                       s.logprobs, _NO_MASK, s.finish_reason))  # fmt: skip
-        pairs = [(a.prompt, answer_text(tokenizer, a.token_ids, engine.stop_ids))
-                 for a in answers]  # fmt: skip
+            answers += [Answer(prompt, prompt_ids[i], f"{group_prefix}-{i}", s.token_ids,
+                               s.logprobs, s.finish_reason, version) for s in group]  # fmt: skip
         t0 = time.perf_counter()
-        reasons = [a.finish_reason for a in answers]
-        raw = score_all(task.verifier, pairs, reasons)
-        raw = truncation.apply(raw, reasons, [int(a.token_ids.size) for a in answers])
+        raw = grade_answers(task, tokenizer, engine.stop_ids, answers, truncation)
     else:
         played = episodes.run(engine, tokenizer, prompts, prompt_ids, params, seed)
         t0 = time.perf_counter()  # (the environments graded as the episodes ran)
@@ -149,29 +201,13 @@ def collect_round(
             for e in eps:
                 if e.error is None:
                     ids, lps, mask = e.arrays()
-                    answers.append(_Answer(i, prompt, f"{group_prefix}-{i}", ids, lps, mask,
-                                           e.finish_reason, e.turns))  # fmt: skip
+                    key = f"{group_prefix}-{i}"
+                    answers.append(Answer(prompt, prompt_ids[i], key, ids, lps, e.finish_reason,
+                                          version, mask, turns=e.turns))  # fmt: skip
                     raw.append(e.reward)
         raw = truncation.apply(raw, [a.finish_reason for a in answers], None)
     verify_s = time.perf_counter() - t0
-    rewards = transform_rewards(raw, [a.group for a in answers], reward_variant)
-    trajectories = [
-        Trajectory(
-            prompt_ids=prompt_ids[a.row],
-            response_ids=a.token_ids,
-            logprobs=a.logprobs,
-            reward_raw=r_raw,
-            reward=r,
-            prompt_id=a.prompt.id,
-            group_id=a.group,
-            finish_reason=a.finish_reason,
-            policy_version=engine.policy_version,
-            worker_id=worker_id,
-            run_id=run_id,
-            action_mask=a.action_mask,
-        )
-        for a, r_raw, r in zip(answers, raw, rewards, strict=True)
-    ]
+    trajectories = build_records(answers, raw, reward_variant, worker_id=worker_id, run_id=run_id)
     tokens = sum(int(a.action_mask.sum()) if a.action_mask.size else int(a.token_ids.size)
                  for a in answers)  # fmt: skip
     mean = sum(raw) / len(raw) if raw else 0.0

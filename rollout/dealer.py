@@ -67,9 +67,7 @@ class PromptDealer:
             self._local += n
             return self._local
         client = self.client
-        return int(
-            retry_redis(lambda: client.incrby(self.key, n), self.retry_s, "prompt cursor", log)
-        )
+        return int(retry_redis(lambda: client.incrby(self.key, n), self.retry_s, "prompt cursor"))
 
     def take(self, n: int) -> list[tuple[int, Prompt]]:
         """The next ``n`` prompts of the shared deal, each with its epoch."""

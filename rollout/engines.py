@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -40,12 +40,22 @@ class Sample:
 
 
 class GenerationEngine(Protocol):
+    """What a rollout worker uses of an engine (lockstep: ``generate``); a streaming worker's
+    engine is a ``StreamEngine`` too."""
+
     policy_version: int
     receiver: WeightReceiver
     """Where the worker's ``WeightSubscriber`` delivers weights (files, broadcasts)."""
     stop_ids: tuple[int, ...]
     """The tokens that end an answer (``reval.answers.stop_token_ids``): what graders cut the
     answer's text at (``reval.answers.answer_text``)."""
+    device: torch.device
+    """Where it generates (the worker registers it)."""
+
+    def close(self) -> None:
+        """Release what it holds (an engine's processes, a temporary checkpoint); the worker
+        calls it once, at its end."""
+        ...
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
@@ -57,6 +67,49 @@ class GenerationEngine(Protocol):
         """Copy tensors held by the caller in place and set the policy version (evaluation,
         tests). The tensors may be views of buffers the caller reuses afterwards: copy, do not
         keep them."""
+        ...
+
+
+InflightMode = Literal["keep", "recompute", "finish"]
+"""What a weight load does to the answers in the engine (``rollout.inflight_updates``)."""
+
+
+@dataclass
+class Finished:
+    """One request (one prompt's ``n`` answers) the engine has finished."""
+
+    key: str
+    samples: list[Sample]
+    spans: list[np.ndarray]
+    """Per answer, ``[start, version, ...]``: the weight version that sampled tokens from
+    ``start`` on (``Trajectory.version_spans``; always at least one span here)."""
+
+
+@runtime_checkable
+class StreamEngine(GenerationEngine, Protocol):
+    """What ``rollout.streaming.Streamer`` needs of an engine besides ``GenerationEngine``
+    (``VLLMEngine``'s streaming methods)."""
+
+    inflight: InflightMode
+
+    def submit(self, key: str, prompt: Sequence[int], params: SamplingParams, seed: int) -> None:
+        """Start ``params.n`` answers to ``prompt``, reported together as ``key``."""
+        ...
+
+    def step(self) -> list[Finished]:
+        """Run one engine step; the requests it finished."""
+        ...
+
+    def running(self) -> int:
+        """Answers submitted and not finished (0: the engine is empty)."""
+        ...
+
+    def pause(self) -> None:
+        """Freeze the running answers between two steps."""
+        ...
+
+    def resume(self) -> None:
+        """Go on with the frozen answers."""
         ...
 
 
@@ -114,6 +167,9 @@ class HFEngine:
                 )
             dst.copy_(tensor.to(dst.device, dst.dtype))
         self.policy_version = version
+
+    def close(self) -> None:
+        """Nothing to release: the model is the caller's."""
 
     @torch.no_grad()
     def generate(

@@ -160,8 +160,8 @@ def parse_rows(
         else:
             problem = _first(row, spec.problem_fields)
             answer = _as_answer(_first(row, spec.answer_fields))
-            ok = isinstance(problem, str) and problem.strip() and answer is not None
-            p = Problem(f"{spec.name}-{index}", problem.strip(), answer) if ok else None  # type: ignore[union-attr]
+            text = problem.strip() if isinstance(problem, str) else ""
+            p = Problem(f"{spec.name}-{index}", text, answer) if text and answer else None
         if p is None:
             skipped += 1
         else:

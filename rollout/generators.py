@@ -74,9 +74,9 @@ def build_engine(
             gpu_memory_utilization=r.vllm_gpu_memory_utilization,
             max_model_len=r.vllm_max_model_len,
             deterministic=r.deterministic,
+            checkpoint_dir=tmp,  # (kept while the engine lives; removed with it)
             **kw,
         )
-        engine.checkpoint_dir = tmp  # (kept while the engine lives; removed with it)
         return engine, engine.tokenizer
     policy = load_policy(cfg.model, seed)
     policy.model.to(compute_dtype(cfg.model)).eval()  # (it only generates: no fp32 masters)

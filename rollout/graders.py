@@ -1,6 +1,6 @@
 """The built-in reward functions, named like a user's (``task.reward =
 "rollout.graders:NAME"``, their options in ``task.reward_args``) and run the same way: in the
-grading processes of ``rollout/verify.py``, through ``rollout/rewards.py``'s ``RewardFunction``.
+grading processes of ``rollout/grading_pool.py``, through ``rollout/rewards.py``'s ``RewardFunction``.
 
 | name | reward | ``task.reward_args`` |
 |---|---|---|
@@ -30,8 +30,8 @@ def math_boxed(
     require_think: bool = False,
 ) -> float:
     """1.0 when the completion's last ``\\boxed{}`` is math-verify-equivalent to
-    ``metadata[field]`` (the math task's grader, ``verify.MathVerify``), else 0.0."""
-    from rollout.verify import MathVerify
+    ``metadata[field]`` (the math task's grader, ``math_grading.MathVerify``), else 0.0."""
+    from rollout.math_grading import MathVerify
 
     return MathVerify(require_think=require_think).grade(str(metadata[field]), completion)
 

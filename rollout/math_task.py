@@ -3,7 +3,7 @@ paper's prompt templates, graded on the last ``\\boxed{}`` of the answer.
 
 The loader is the real one: a local JSONL or parquet file, or a dataset name through the
 ``datasets`` library. Answers are graded by math-verify in a process pool
-(``rollout/verify.py``: ``PooledVerifier``), the same grader as the rollout workers' and
+(``rollout/grading_pool.py``: ``PooledVerifier``), the same grader as the rollout workers' and
 ``reval eval``'s.
 """
 
@@ -22,8 +22,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from reval.config import RolloutConfig, TaskConfig
 from reval.paths import check_dataset
+from rollout.grading_pool import PooledVerifier
+from rollout.math_grading import MathVerify
 from rollout.task_types import Prompt, Verifier
-from rollout.verify import MathVerify, PooledVerifier
 from rollout.warm_start import WarmStart
 
 log = logging.getLogger("reval.math")
@@ -179,9 +180,10 @@ class MathTask:
         rows = read_rows(cfg.dataset, cfg.split, field)
         verifier = PooledVerifier(
             MathVerify(require_think=cfg.template == "r1_distill"),
-            workers=rollout.verifier_workers if rollout else 2,
+            workers=rollout.grading_processes() if rollout else 2,
             timeout=rollout.verifier_timeout_s if rollout else 5.0,
             registry=registry,
+            memory_mb=rollout.grading_memory_mb if rollout else None,
         )
         try:
             task = cls.from_rows(

@@ -13,7 +13,7 @@ as generated (``reval.answers.answer_text``: up to its stop token, special token
 function that declares a ``finish_reason`` parameter also gets ``finish_reason="stop"`` or
 ``"length"`` (cut at the token limit; ``algo.truncated_reward`` decides what such an answer
 earns in training, docs/tasks.md). It runs in the worker's
-grading processes (``rollout/verify.py``: ``VerifierPool``, the math grader's pool) under the
+grading processes (``rollout/grading_pool.py``: ``VerifierPool``, the math grader's pool) under the
 per-answer deadline ``rollout.verifier_timeout_s``. How a function is called:
 
 - plain (``def f(prompt, completion, metadata)``): once per answer, one answer per task;
@@ -28,7 +28,8 @@ A reward is a number (``bool`` counts), or a dict whose ``score`` is the reward 
 numeric entries are named components (the ``reval_reward_component{name}`` summary; the
 ``reward/NAME`` columns of ``reval train``'s rows). What scores 0 and is counted in
 ``reval_verifier_errors_total{reason}``: an exception (``error``), passing the deadline
-(``timeout``: the process is killed and replaced), anything that is not a number or a dict with
+(``timeout``: the process is killed and replaced), needing more memory than
+``rollout.grading_memory_mb`` (``memory``), anything that is not a number or a dict with
 a numeric ``score`` (``not_a_number``) and a NaN or infinite value (``not_finite``). None of
 them stops the run.
 """
@@ -46,9 +47,10 @@ from typing import Any
 
 from reval.config import RolloutConfig, TaskConfig
 from reval.paths import load_reward
+from rollout.grading_pool import PooledVerifier
+from rollout.grading_worker import Graded, Precheck
 from rollout.math_task import TaskMetrics, answer_shape, read_rows
 from rollout.task_types import Prompt, Verifier
-from rollout.verify import Graded, PooledVerifier, Precheck
 from rollout.warm_start import WarmStart
 
 log = logging.getLogger("reval.rewards")
@@ -89,12 +91,14 @@ def _is_number(value: Any) -> bool:
 
 
 def _error(err: BaseException) -> Graded:
+    if isinstance(err, MemoryError):  # (rollout.grading_memory_mb)
+        return Graded(0.0, "memory", "over the grading processes' memory cap")
     return Graded(0.0, "error", f"{type(err).__name__}: {err}"[:500])
 
 
 class RewardFunction:
-    """The grader (``verify.PoolGrader``) of a custom task: the function ``spec`` names, called
-    with ``kwargs`` in the grading processes. Loaded here too: what ``batched`` is depends on
+    """The grader (``grading_worker.PoolGrader``) of a custom task: the function ``spec`` names,
+    called with ``kwargs`` in the grading processes. Loaded here too: what ``batched`` is depends on
     it. ``timeout``: the per-answer deadline of an async function's answers."""
 
     def __init__(self, spec: str, kwargs: Mapping[str, Any] | None = None,
@@ -318,8 +322,10 @@ class CustomTask:
         grader = RewardFunction(cfg.reward, cfg.reward_args, timeout,
                                 rollout.sandbox if rollout else "bwrap")  # fmt: skip
         rows = read_rows(cfg.dataset, cfg.split, field)
-        verifier = PooledVerifier(grader, workers=rollout.verifier_workers if rollout else 2,
-                                  timeout=timeout, registry=registry)  # fmt: skip
+        memory_mb = rollout.grading_memory_mb if rollout else None
+        verifier = PooledVerifier(grader, workers=rollout.grading_processes() if rollout else 2,
+                                  timeout=timeout, registry=registry,
+                                  memory_mb=memory_mb)  # fmt: skip
         try:
             prompts, skipped = read_prompts(rows, cfg.prompt_field, tokenizer,
                                             cfg.max_prompt_tokens,

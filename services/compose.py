@@ -122,6 +122,8 @@ GPU_BUILD = {"context": ".", "dockerfile": "deploy/docker/Dockerfile.gpu"}
 # A container that dies is started again (the learner resumes from its latest checkpoint); one
 # that `docker compose stop` stopped, or that exited cleanly after `reval runs stop`, stays down.
 RESTART = "on-failure"
+LEARNER_STOP_GRACE = "120s"
+"""How long ``docker stop`` lets the learner finish its update and write its checkpoint."""
 
 REVAL_ENV = {
     "REVAL__BUFFER__BACKEND": "redis",
@@ -225,8 +227,74 @@ def _rollout(layout: Layout | CpuLayout, gpu: int) -> dict[str, Any]:
     return _on_node(service, layout, [gpu])
 
 
-def _core(layout: Layout | CpuLayout) -> dict[str, Any]:
-    """Redis, the API and the learner: the services every stack has."""
+def _redis() -> dict[str, Any]:
+    """The run's Redis: password required, its AOF on a volume."""
+    return {
+        "image": REDIS_IMAGE,
+        "command": [
+            "redis-server",
+            "/usr/local/etc/redis/redis.conf",
+            "--requirepass",
+            "${REDIS_PASSWORD:?set REDIS_PASSWORD to a random secret (openssl rand -hex 24)}",
+        ],
+        "environment": {"REDISCLI_AUTH": "${REDIS_PASSWORD}"},  # (the health check's)
+        "volumes": [
+            "./deploy/redis.conf:/usr/local/etc/redis/redis.conf:ro",
+            "redis-data:/data",
+        ],
+        "ports": [_port("REVAL_REDIS_PORT", 6379)],
+        "restart": RESTART,
+        "healthcheck": _health(["CMD", "redis-cli", "ping"], "5s", "3s", 10),
+    }
+
+
+def _api() -> dict[str, Any]:
+    """The REST API (``reval serve``), on port 8080."""
+    return {
+        "image": "reval:cpu",
+        "build": CPU_BUILD,
+        "command": [
+            "reval",
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8080",
+            "--redis-url",
+            REDIS_URL,
+            "--output-dir",
+            "/runs",
+            # Prometheus scrapes /metrics from its own container (the API binds 0.0.0.0,
+            # where reads and /metrics need the token unless opened): metrics only.
+            "--open-metrics",
+        ],
+        "environment": {
+            "REVAL_API_TOKEN": "${REVAL_API_TOKEN:?set REVAL_API_TOKEN to a secret of 16+ "
+            "characters}",
+            "RAY_ADDRESS": "${REVAL_RAY_ADDRESS:-}",
+        },
+        "ports": [_port("REVAL_API_PORT", 8080)],
+        "volumes": ["runs:/runs"],
+        "restart": RESTART,
+        "depends_on": dict(REDIS_HEALTHY),
+        "healthcheck": _health(
+            [
+                "CMD",
+                "python",
+                "-c",
+                "import urllib.request; "
+                "urllib.request.urlopen('http://127.0.0.1:8080/readyz', timeout=3)",
+            ],
+            "10s",
+            "5s",
+            6,
+        ),
+    }
+
+
+def _learner(layout: Layout | CpuLayout) -> dict[str, Any]:
+    """The learner: ``reval learner --resume-if-any`` (a restarted container continues from the
+    run's latest checkpoint), on the layout's learner GPUs."""
     cpu = isinstance(layout, CpuLayout)
     learner = {
         "image": "reval:cpu" if cpu else "reval:gpu",
@@ -244,72 +312,23 @@ def _core(layout: Layout | CpuLayout) -> dict[str, Any]:
             **REVAL_ENV,
             "REVAL__LEARNER__WORLD_SIZE": "1" if cpu else str(layout.learner_gpus),
             "REVAL__SYNC__BROADCAST_HOST": "auto",
+            # The rollout services of this file: the run's desired worker count (the API's
+            # reval_api_run_workers_desired, the RevalWorkersBelowDesired alert).
+            "REVAL__LAUNCH__WORKERS": str(layout.workers if cpu else layout.rollout_gpus),
         },
         "restart": RESTART,
+        # `docker stop` sends SIGTERM, then SIGKILL after this: time for the update in hand and
+        # the checkpoint (the learner then exits 143; a stopped container is not restarted).
+        "stop_grace_period": LEARNER_STOP_GRACE,
         "depends_on": dict(REDIS_HEALTHY),
         "healthcheck": _health(_http_health(LEARNER_METRICS_PORT), "15s", "5s", 20, "600s"),
     }
-    return {
-        "redis": {
-            "image": REDIS_IMAGE,
-            "command": [
-                "redis-server",
-                "/usr/local/etc/redis/redis.conf",
-                "--requirepass",
-                "${REDIS_PASSWORD:?set REDIS_PASSWORD to a random secret (openssl rand -hex 24)}",
-            ],
-            "environment": {"REDISCLI_AUTH": "${REDIS_PASSWORD}"},  # (the health check's)
-            "volumes": [
-                "./deploy/redis.conf:/usr/local/etc/redis/redis.conf:ro",
-                "redis-data:/data",
-            ],
-            "ports": [_port("REVAL_REDIS_PORT", 6379)],
-            "restart": RESTART,
-            "healthcheck": _health(["CMD", "redis-cli", "ping"], "5s", "3s", 10),
-        },
-        "api": {
-            "image": "reval:cpu",
-            "build": CPU_BUILD,
-            "command": [
-                "reval",
-                "serve",
-                "--host",
-                "0.0.0.0",
-                "--port",
-                "8080",
-                "--redis-url",
-                REDIS_URL,
-                "--output-dir",
-                "/runs",
-                # Prometheus scrapes /metrics from its own container (the API binds 0.0.0.0,
-                # where reads and /metrics need the token unless opened): metrics only.
-                "--open-metrics",
-            ],
-            "environment": {
-                "REVAL_API_TOKEN": "${REVAL_API_TOKEN:?set REVAL_API_TOKEN to a secret of 16+ "
-                "characters}",
-                "RAY_ADDRESS": "${REVAL_RAY_ADDRESS:-}",
-            },
-            "ports": [_port("REVAL_API_PORT", 8080)],
-            "volumes": ["runs:/runs"],
-            "restart": RESTART,
-            "depends_on": dict(REDIS_HEALTHY),
-            "healthcheck": _health(
-                [
-                    "CMD",
-                    "python",
-                    "-c",
-                    "import urllib.request; "
-                    "urllib.request.urlopen('http://127.0.0.1:8080/readyz', timeout=3)",
-                ],
-                "10s",
-                "5s",
-                6,
-            ),
-        },
-        # --resume-if-any: a restarted container continues from the run's latest checkpoint.
-        "learner": _on_node(learner, layout, [] if cpu else layout.learner_ids()),
-    }
+    return _on_node(learner, layout, [] if cpu else layout.learner_ids())
+
+
+def _core(layout: Layout | CpuLayout) -> dict[str, Any]:
+    """Redis, the API and the learner: the services every stack has."""
+    return {"redis": _redis(), "api": _api(), "learner": _learner(layout)}
 
 
 def _gpu_only(layout: Layout) -> dict[str, Any]:
@@ -448,7 +467,8 @@ def _header(layout: Layout | CpuLayout) -> list[str]:
             '# command (docs/operations.md, "The CPU stack"):',
             "#   export REVAL_API_TOKEN=$(openssl rand -hex 24) "
             "REDIS_PASSWORD=$(openssl rand -hex 24)",
-            "#   docker compose -f docker-compose.cpu.yml up -d --build",
+            "#   docker compose -f docker-compose.cpu.yml up -d --build   # Compose v2; or v1",
+            "#   docker-compose -f docker-compose.cpu.yml up -d --build   # (Debian's 1.29)",
             f"# redis, api, learner and rollout-0 .. rollout-{layout.workers - 1} (HF on the CPU)",
             "# train configs/${REVAL_CONFIG:-demo.toml}; watch it with `reval runs get run` (the",
             "# API on 127.0.0.1:8080) and Prometheus on 127.0.0.1:9090 (no Grafana here). Without",
@@ -468,6 +488,7 @@ def _header(layout: Layout | CpuLayout) -> list[str]:
         "#   reval doctor --config configs/${REVAL_CONFIG:-r1_distill_qwen_1p5b.toml}  # preflight",
         "#   docker compose up -d --build   # redis, api, learner, rollout workers, prometheus, "
         "grafana",
+        "#   (Compose v2; with v1, Debian's docker-compose 1.29: docker-compose up -d --build)",
         f"# GPUs: learner on {learner} (an FSDP2 rank per GPU), {rollout}"
         + (f", eval (--profile eval) {evals}." if layout.eval_gpus else "."),
         "# Another layout: reval compose --gpus N --learner-gpus L [--eval-gpus E] --out FILE, at",

@@ -4,7 +4,8 @@ It checks what a long GPU run otherwise finds out hours in: CUDA and NCCL, that 
 GPUs the config reserves, shared memory for NCCL and vLLM, that the ports the run binds are free,
 that the replay service's Redis answers, the vLLM release (the adapter's own gate,
 ``rollout.vllm_engine.check_vllm_version``), that a GPU run has a token budget (a warning: it
-runs without one, padded) and free disk for checkpoints. Every failing or warning check says what
+runs without one, padded), free disk for checkpoints, and the thread budget of each role
+(``reval/threads.py``). Every failing or warning check says what
 to change; the exit status is 1 when any check failed.
 
 The checks are pure functions of :class:`Facts` (what the node has), which :func:`gather` reads
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import socket
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from reval.config import ConfigError, RunConfig, load_config
+from reval.threads import ThreadBudget, budget, machine_cpus
 
 SHM_MIN_BYTES = 1 << 30
 """Below this /dev/shm NCCL's shared-memory transport and vLLM's worker processes fail their
@@ -74,6 +77,8 @@ class Facts:
     """None: vLLM is not installed."""
     ports_in_use: dict[int, str] = field(default_factory=dict)
     """Port -> the error binding it gave (only ports that could not be bound)."""
+    threads: list[ThreadBudget] = field(default_factory=list)
+    """The thread budget of each role on this node (:func:`thread_budgets`)."""
 
 
 def needs_gpu(cfg: RunConfig) -> bool:
@@ -285,6 +290,31 @@ def check_disk(cfg: RunConfig, f: Facts) -> Check:
 # -- the machine -------------------------------------------------------------------------------
 
 
+def thread_budgets(cfg: RunConfig) -> list[ThreadBudget]:
+    """What each role's process would use on this node: ``reval train``, a learner rank (the
+    ranks split the CPUs) and a rollout worker started by hand or by compose, and the same two
+    under ``reval launch`` (Ray actors of ``launch.learner_cpus`` and ``launch.rollout_cpus``; with
+    ``"auto"``, the split of a local Ray on this machine, or of a cluster at ``RAY_ADDRESS``)."""
+    cores = None if os.environ.get("RAY_ADDRESS") else machine_cpus()
+    learner, rollout = cfg.launch.cpus(cfg.learner.world_size, cores)
+    return [
+        budget("train"),
+        budget("learner rank", share=cfg.learner.world_size),
+        budget("worker"),
+        budget("learner rank (reval launch)", ray_num_cpus=learner),
+        budget("worker (reval launch)", ray_num_cpus=rollout),
+    ]
+
+
+def check_threads(cfg: RunConfig, f: Facts) -> Check:
+    """The thread budget of each role (information: it never fails)."""
+    if not f.threads:
+        return Check("threads", "skip", "no budget read")
+    tuned = "; within it each process keeps the fastest count (reval/threads.py)"
+    return Check("threads", "ok", "; ".join(f"{b.role}: {b.describe()}" for b in f.threads)
+                 + tuned)  # fmt: skip
+
+
 def _existing(path: Path) -> Path:
     path = path.resolve()
     while not path.exists():
@@ -332,6 +362,7 @@ def gather(cfg: RunConfig) -> Facts:
         disk_path=str(disk),
         vllm_version=vllm,
         ports_in_use=busy,
+        threads=thread_budgets(cfg),
     )
 
 
@@ -363,6 +394,7 @@ def run_checks(cfg: RunConfig, facts: Facts, redis_err: str | None) -> list[Chec
         check_vllm(cfg, facts),
         check_token_budget(cfg, facts),
         check_disk(cfg, facts),
+        check_threads(cfg, facts),
     ]
 
 

@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,9 @@ class BenchmarkResult:
     """Problems over ``task.max_prompt_tokens``: skipped, never truncated."""
     per_problem: list[float]
     seconds: float
+    components: dict[str, float] = field(default_factory=dict)
+    """A custom reward's named components, each averaged over every answer graded (empty for
+    graders without components), as ``reval train``'s rows carry them (``reward/NAME``)."""
 
 
 def evaluate_benchmark(
@@ -70,6 +73,9 @@ def evaluate_benchmark(
     pairs."""
     t0 = time.perf_counter()
     scores: list[float] = []
+    drain = getattr(verifier, "drain_components", None)  # (a custom reward's components)
+    if drain is not None:
+        drain()  # (what it graded before this benchmark is not this benchmark's)
     for start in range(0, len(bench.problems), batch_prompts):
         chunk = bench.problems[start : start + batch_prompts]
         texts = bench.prompts[start : start + batch_prompts]
@@ -100,7 +106,13 @@ def evaluate_benchmark(
         skipped_too_long=bench.too_long,
         per_problem=scores,
         seconds=time.perf_counter() - t0,
+        components=dict(sorted(drain().items())) if drain is not None else {},
     )
+
+
+def components_text(components: dict[str, float]) -> str:
+    """``a 0.500, b 3.000``: a custom reward's named components, in a line."""
+    return ", ".join(f"{k} {v:.3f}" for k, v in components.items())
 
 
 def table(results: dict[str, BenchmarkResult]) -> str:
@@ -169,7 +181,8 @@ def _evaluate_all(
     params: SamplingParams, bar: Any = None,
 ) -> dict[str, BenchmarkResult]:  # fmt: skip
     """Every benchmark, graded by the training verifier (a process pool per benchmark)."""
-    from rollout.verify import MathVerify, VerifierPool
+    from rollout.grading_pool import VerifierPool
+    from rollout.math_grading import MathVerify
 
     results: dict[str, BenchmarkResult] = {}
     require_think = cfg.task.template == "r1_distill"
@@ -177,11 +190,15 @@ def _evaluate_all(
         if bench.spec.name == TASK:
             got = _evaluate_task(cfg, bench, engine, tokenizer, params, bar)
             results[TASK] = got
+            log.info("%s: avg@%d %.3f over %d problems; reward components: %s", got.name,
+                     got.k, got.avg_at_k, got.problems,
+                     components_text(got.components) or "none")  # fmt: skip
             continue
         grader = MathVerify(require_think=require_think,
                             multiple_choice=bench.spec.multiple_choice)  # fmt: skip
-        with VerifierPool(grader, workers=cfg.rollout.verifier_workers,
-                          timeout=cfg.rollout.verifier_timeout_s) as pool:  # fmt: skip
+        with VerifierPool(grader, workers=cfg.rollout.grading_processes(),
+                          timeout=cfg.rollout.verifier_timeout_s,
+                          memory_mb=cfg.rollout.grading_memory_mb) as pool:  # fmt: skip
             got = evaluate_benchmark(bench, engine, tokenizer, pool, params, cfg.seed, progress=bar)
         results[bench.spec.name] = got
         log.info("%s: avg@%d %.3f over %d problems", got.name, got.k, got.avg_at_k,
@@ -235,6 +252,14 @@ def run_eval(
         "avg": float(np.mean([r.avg_at_k for r in results.values()])) if results else 0.0,
         "table": table(results),
     }
+    # A custom reward's named components (each benchmark's also in "benchmarks"): in the
+    # report and, a line per benchmark, under the printed table.
+    components = {n: r.components for n, r in results.items() if r.components}
+    if components:
+        report["components"] = components
+        report["table"] += "".join(
+            f"{n} reward components: {components_text(c)}\n" for n, c in components.items()
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     return report
@@ -253,6 +278,43 @@ class EvalMetrics:
         self.version = Gauge("reval_eval_policy_version", "Policy version last evaluated",
                              registry=r)  # fmt: skip
         self.runs = Counter("reval_eval_runs", "Evaluations done", registry=r)
+
+
+def _evaluate_version(
+    cfg: RunConfig, loaded: Any, engine: Any, tokenizer: Any, params: Any, version: int
+) -> dict[str, Any]:
+    """The ``eval.jsonl`` row of the weights loaded (``version``): each benchmark's avg@k, their
+    mean, a custom reward's components."""
+    t0 = time.perf_counter()
+    results = _evaluate_all(cfg, loaded, engine, tokenizer, params)
+    scores = {n: r.avg_at_k for n, r in results.items()}
+    avg = float(np.mean(list(scores.values()))) if scores else 0.0
+    record = {"policy_version": version, "k": params.n, "avg": avg, "scores": scores,
+              "seconds": time.perf_counter() - t0, "time": time.time()}  # fmt: skip
+    components = {n: r.components for n, r in results.items() if r.components}
+    if components:
+        record["components"] = components
+    return record
+
+
+def _report(record: dict[str, Any], writer: Any, control: Any, metrics: EvalMetrics | None) -> None:
+    """One evaluation said everywhere: ``eval.jsonl``, the run's event log (a Redis outage only
+    warns), the ``reval_eval_*`` metrics, a log line."""
+    import redis
+
+    version, avg, scores, k = record["policy_version"], record["avg"], record["scores"], record["k"]
+    writer.write(record)
+    try:
+        control.record("eval", {"avg": avg, "scores": scores, "k": k}, step=version)
+    except (redis.ConnectionError, redis.TimeoutError) as err:
+        log.warning("could not record the evaluation: %s", err)
+    if metrics is not None:
+        for n, v in scores.items():
+            metrics.score.labels(benchmark=n).set(v)
+        metrics.average.set(avg)
+        metrics.version.set(version)
+        metrics.runs.inc()
+    log.info("eval of v%d: avg@%d %.3f %s", version, k, avg, scores)
 
 
 def follow(
@@ -311,25 +373,8 @@ def follow(
             stop.wait(poll_s)
             continue
         engine.load_weights(tensors, version)
-        t0 = time.perf_counter()
-        results = _evaluate_all(cfg, loaded, engine, tokenizer, params)
-        scores = {n: r.avg_at_k for n, r in results.items()}
-        avg = float(np.mean(list(scores.values()))) if scores else 0.0
-        record = {"policy_version": version, "k": params.n, "avg": avg, "scores": scores,
-                  "seconds": time.perf_counter() - t0, "time": time.time()}  # fmt: skip
-        writer.write(record)
-        try:
-            control.record("eval", {"avg": avg, "scores": scores, "k": params.n},
-                           step=version)  # fmt: skip
-        except (redis.ConnectionError, redis.TimeoutError) as err:
-            log.warning("could not record the evaluation: %s", err)
-        if metrics is not None:
-            for n, v in scores.items():
-                metrics.score.labels(benchmark=n).set(v)
-            metrics.average.set(avg)
-            metrics.version.set(version)
-            metrics.runs.inc()
-        log.info("eval of v%d: avg@%d %.3f %s", version, params.n, avg, scores)
+        record = _evaluate_version(cfg, loaded, engine, tokenizer, params, version)
+        _report(record, writer, control, metrics)
         done.append(record)
         last = version
     return done

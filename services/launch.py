@@ -10,8 +10,10 @@ it, and it:
   free port are the rendezvous) and ``launch.workers`` rollout workers;
 - restarts the whole learner from its latest checkpoint when a rank dies (up to
   ``launch.max_learner_restarts``): the workers keep generating with their old weights meanwhile,
-  and the buffer is in Redis, so nothing generated is lost;
-- replaces a worker that died (``launch.replace_dead_workers``);
+  and the buffer is in Redis, so nothing generated is lost; not a rank a corrupt ring stopped
+  (``RingCorrupt``): the launch ends with its one line;
+- replaces a worker that died (``launch.replace_dead_workers``), not one that finished by itself
+  (it saw the run end);
 - follows the run's control keys in Redis (``reval/control.py``: the one control channel, which
   the REST API, ``reval launch --add N`` / ``--remove N`` / ``--stop`` / ``--export`` from any
   other process, and its own SIGINT/SIGTERM all write): the desired number of workers, a stop;
@@ -34,6 +36,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -42,11 +45,38 @@ from typing import Any
 
 import redis
 
+from buffer.redis_layout import RingCorrupt
 from reval.config import RunConfig
+from reval.ratelog import RateLog
+from reval.retry import skip_on_outage
+from reval.threads import machine_cpus
 
 log = logging.getLogger("reval.launch")
 
+control_log = RateLog(log, every_s=60.0)
+"""The loop's line for a run control it cannot use (an error that is no outage): once a minute."""
+
 TICK_S = 0.5
+
+WAIT_LOG_S = 15.0
+"""While the driver waits (Ray placing the learner, actors starting, the learner's first
+update), a line this often says what for and for how long."""
+
+
+def wait_logged(ray: Any, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
+    """``ray.get(refs)`` that says what it waits for every ``WAIT_LOG_S`` seconds until they
+    are ready; TimeoutError (naming ``what``) after ``timeout_s``."""
+    t0 = time.monotonic()
+    pending = list(refs)
+    while pending:
+        waited = time.monotonic() - t0
+        if waited >= timeout_s:
+            raise TimeoutError(f"{what}: not ready after {timeout_s:.0f} s")
+        _, pending = ray.wait(pending, num_returns=len(pending),
+                              timeout=min(WAIT_LOG_S, timeout_s - waited))  # fmt: skip
+        if pending:
+            log.info("waiting for %s (%.0f s so far)", what, time.monotonic() - t0)
+    return list(ray.get(list(refs)))
 
 
 def _free_port() -> int:
@@ -57,6 +87,11 @@ def _free_port() -> int:
 
 def _actor_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+
+RING_CORRUPT = "ring_corrupt"
+"""The key of a learner rank's answer when a corrupt ring stopped it (its message): the driver
+ends the launch with that one line and restarts nothing (a restart would meet the same ring)."""
 
 
 class LearnerRank:
@@ -77,7 +112,7 @@ class LearnerRank:
         return os.getpid()
 
     def run(self, cfg_json: str, addr: str, port: int, resume: bool) -> dict[str, Any]:
-        from learner.service import run_rank
+        from learner.ranks import run_rank
 
         os.environ.update(
             MASTER_ADDR=addr,
@@ -91,16 +126,19 @@ class LearnerRank:
         def keep(service: Any) -> None:
             self.service = service
             if self.stopping.is_set():
-                service.stop.set()
+                service.request_stop()  # (a wait for Redis in hand ends too)
 
-        state = run_rank(cfg, resume, None, on_service=keep, handle_signals=False)
+        try:
+            state = run_rank(cfg, resume, None, on_service=keep, handle_signals=False)
+        except RingCorrupt as err:  # (the driver ends the launch with its one line, no restart)
+            return {RING_CORRUPT: str(err)}
         return dict(state.__dict__)
 
     def stop(self) -> None:
         """Checkpoint and stop after the current update (every rank agrees through rank 0)."""
         self.stopping.set()
         if self.service is not None:
-            self.service.stop.set()
+            self.service.request_stop()  # (a wait for Redis in hand ends too)
 
 
 class RolloutActor:
@@ -116,9 +154,11 @@ class RolloutActor:
         return os.getpid()
 
     def run(self, cfg_json: str) -> dict[str, Any]:
+        from reval.threads import apply, budget
         from rollout.worker import RolloutWorker
 
         cfg = RunConfig.model_validate_json(cfg_json)
+        apply(budget("worker"))  # (its num_cpus: reval/threads.py; before the engine starts)
         self.worker = RolloutWorker(cfg, self.worker_id)
         if self.stopping.is_set():
             self.worker.stop.set()
@@ -175,6 +215,7 @@ class Launch:
         self.cfg = cfg
         lc = cfg.launch
         self.world = cfg.learner.world_size
+        cores: int | None = None  # (a Ray of someone else's: its nodes are not known here)
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None
             if address is None:  # an empty RAY_ADDRESS (compose) means a local Ray
@@ -183,9 +224,18 @@ class Launch:
             if address:
                 kwargs["address"] = address
             else:
-                need = self.world * lc.learner_cpus + (lc.workers + 2) * lc.rollout_cpus
-                kwargs["num_cpus"] = lc.local_cpus or max(int(need + 0.999), os.cpu_count() or 1)
+                cores = machine_cpus()
+                kwargs["num_cpus"] = lc.local_ray_cpus(self.world, cores)
+            t0 = time.monotonic()
+            log.info("starting Ray: %s", f"joining {address}" if address else
+                     f"a local one with {kwargs['num_cpus']} CPUs")  # fmt: skip
             ray.init(**kwargs)
+            log.info("Ray up in %.0f s", time.monotonic() - t0)
+        self.learner_cpus, self.rollout_cpus = lc.cpus(self.world, cores)
+        """Each rank's and each worker's ``num_cpus`` (``launch.learner_cpus``, ``rollout_cpus``:
+        ``"auto"`` splits a local Ray's machine between them; their thread budgets follow)."""
+        log.info("each learner rank gets %g CPU(s), each rollout worker %g (launch.learner_cpus, "
+                 "launch.rollout_cpus)", self.learner_cpus, self.rollout_cpus)  # fmt: skip
         from reval.control import RunControl
         from reval.redis import connect
 
@@ -193,11 +243,12 @@ class Launch:
         if self.control.driver() is not None:
             raise RuntimeError(f"run {cfg.name!r} is already launched (its driver's heartbeat "
                                "is in Redis)")  # fmt: skip
-        bundle: dict[str, float] = {"CPU": lc.learner_cpus}
+        bundle: dict[str, float] = {"CPU": self.learner_cpus}
         if lc.learner_gpus:
             bundle["GPU"] = lc.learner_gpus
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy=lc.placement)
-        ray.get(self.pg.ready(), timeout=600)
+        wait_logged(ray, [self.pg.ready()], f"Ray to place the learner's {self.world} "
+                    f"rank(s) ({bundle} each, {lc.placement})", 600)  # fmt: skip
         self.cfg_json = cfg.model_dump_json()
         self.resume = resume
         self.restarts = 0
@@ -216,7 +267,13 @@ class Launch:
         self.last_tick = time.monotonic()
         self.started = time.time()
         self.replace_after = 0.0  # (backoff of replacing workers that keep dying)
+        self.ended_workers = 0
+        """Workers that finished by themselves (they saw the run end): not replaced."""
         self.deaths: list[float] = []
+        self.under_way = False
+        """The learner has made its first update since this launch (``report_start``)."""
+        self.step_before: int | None = None
+        self.next_report = time.monotonic() + WAIT_LOG_S
         self.ops: Any = None
         if lc.metrics_port is not None:
             from reval.ops_http import OpsServer
@@ -236,7 +293,7 @@ class Launch:
         cls = self.ray.remote(LearnerRank)
         self.ranks = [
             cls.options(
-                num_cpus=lc.learner_cpus,
+                num_cpus=self.learner_cpus,
                 num_gpus=lc.learner_gpus,
                 max_concurrency=2,  # run() and stop()
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -245,10 +302,11 @@ class Launch:
             ).remote(r, self.world)
             for r in range(self.world)
         ]
-        addr, port, pid0 = self.ray.get(self.ranks[0].endpoint.remote(), timeout=300)
-        self.rank_pids = [pid0] + [
-            int(p) for p in self.ray.get([a.pid.remote() for a in self.ranks[1:]], timeout=300)
-        ]
+        (addr, port, pid0), *pids = wait_logged(
+            self.ray, [self.ranks[0].endpoint.remote(), *[a.pid.remote() for a in self.ranks[1:]]],
+            f"the learner's {self.world} rank actor(s) to start", 300,
+        )  # fmt: skip
+        self.rank_pids = [pid0, *(int(p) for p in pids)]
         from services.setup import prepare_learner  # (the tiny model's pretraining, ...)
 
         ranks_json = prepare_learner(self.cfg, resume).model_dump_json()
@@ -263,7 +321,8 @@ class Launch:
         )
 
     def _check_learner(self) -> str:
-        """'running', 'done' or 'restarted'; raises when out of restarts."""
+        """'running', 'done' or 'restarted'; raises when out of restarts, and RingCorrupt (no
+        restart) when a corrupt ring stopped a rank."""
         ready, _ = self.ray.wait(self.rank_refs, num_returns=len(self.rank_refs), timeout=0)
         if not ready:
             return "running"
@@ -274,8 +333,16 @@ class Launch:
             except Exception as err:  # a rank died or raised
                 failed = err
                 break
+            if isinstance(result, dict) and RING_CORRUPT in result:
+                failed = RingCorrupt(result[RING_CORRUPT])
+                break
             if ref is self.rank_refs[0]:
                 self.learner_state = result
+        cause = getattr(failed, "cause", None) or failed  # (Ray's task error: the rank's)
+        if isinstance(cause, RingCorrupt):
+            for a in self.ranks:
+                self.ray.kill(a, no_restart=True)
+            raise RingCorrupt(str(cause))
         if failed is None:
             if len(ready) == len(self.rank_refs):
                 return "done"
@@ -309,7 +376,7 @@ class Launch:
             wid = f"{self.cfg.name}-w{self.next_worker}"
             self.next_worker += 1
             actor = cls.options(
-                num_cpus=lc.rollout_cpus, num_gpus=lc.rollout_gpus, max_concurrency=2
+                num_cpus=self.rollout_cpus, num_gpus=lc.rollout_gpus, max_concurrency=2
             ).remote(wid)
             self.workers[wid] = _Worker(wid, actor, actor.run.remote(self.cfg_json))
             ids.append(wid)
@@ -337,6 +404,8 @@ class Launch:
             try:
                 summary = self.ray.get(ref)
                 log.info("worker %s finished: %s", w.worker_id, summary)
+                if not w.stopping:  # it saw the run end (rollout/worker.py): its slot stays
+                    self.ended_workers += 1  # empty (a worker that dies later is replaced)
             except Exception as err:
                 self.dead_workers += 1
                 self.metrics.dead.inc()
@@ -413,10 +482,43 @@ class Launch:
             return
         if st.workers is not None and not self.stop_requested:
             live = [w for w in self.workers.values() if not w.stopping]
-            if st.workers > len(live) and time.monotonic() >= self.replace_after:
-                self.add_workers(st.workers - len(live))
+            filled = len(live) + self.ended_workers
+            if st.workers > filled and time.monotonic() >= self.replace_after:
+                self.add_workers(st.workers - filled)
             elif st.workers < len(live):
                 self.remove_workers(len(live) - st.workers)
+
+    def report_start(self) -> None:
+        """Until the learner's first update of this launch, a line every ``WAIT_LOG_S`` saying
+        what the run waits for (the learner's phase, the workers up); then one line that the
+        run is under way. Called once a loop; Redis errors are the loop's."""
+        if self.under_way:
+            return
+        status = self.control.read_status()
+        up = sum(1 for w in self.workers.values() if w.pid is not None)
+        if status.step is not None and status.step != self.step_before:
+            self.under_way = True
+            log.info("under way: the learner is at step %d, %d worker(s) up (%.0f s after Ray "
+                     "was up)", status.step, up, time.time() - self.started)  # fmt: skip
+        elif time.monotonic() >= self.next_report:
+            self.next_report = time.monotonic() + WAIT_LOG_S
+            log.info("waiting for the learner's first update (learner: %s; %d of %d worker(s) "
+                     "up; %.0f s after Ray was up)", status.phase or "not reported yet", up,
+                     self._desired(), time.time() - self.started)  # fmt: skip
+
+    def _tick_control(self) -> None:
+        """A loop's reads and writes of the run's control keys (a stop signalled, the desired
+        workers, the start's report); tried again next tick when they fail. Redis away or
+        refusing writes is the one outage line (``skip_on_outage``: once a minute, and when it
+        is back), not a line every tick; any other Redis error a line at most once a minute."""
+        try:
+            with skip_on_outage(f"reval launch's control of run {self.cfg.name}"):
+                if self.stop_signalled and self.control.read().phase != "stopping":
+                    self.control.set_phase("stopping")  # (seen by the API and the runs CLI)
+                self._follow_control()
+                self.report_start()
+        except redis.RedisError as err:
+            control_log.warning("run-control", "run control unavailable: %s", err)
 
     def request_stop(self) -> None:
         if not self.stop_requested:
@@ -431,6 +533,8 @@ class Launch:
         resume = self.resume
         if resume and not self._ckpt_exists():
             raise FileNotFoundError(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}")
+        with contextlib.suppress(redis.RedisError):  # (a resumed run's status has its old step)
+            self.step_before = self.control.read_status().step
         self.start_learner(resume)
         # A stop left by an earlier launch of this run is over (one sent since we started is
         # kept: _follow_control stops the run).
@@ -446,12 +550,7 @@ class Launch:
                 if outcome == "done":
                     ok = True
                     break
-                try:
-                    if self.stop_signalled and self.control.read().phase != "stopping":
-                        self.control.set_phase("stopping")  # (seen by the API and the runs CLI)
-                    self._follow_control()
-                except redis.RedisError as err:  # Redis away: try again next tick
-                    log.warning("run control unavailable: %s", err)
+                self._tick_control()
                 self._check_workers()
                 self._worker_pids()
                 self.last_tick = time.monotonic()
@@ -508,6 +607,9 @@ def launch(cfg: RunConfig, resume: bool = False) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         status = driver.run()
+    except RingCorrupt as err:  # the learner's one line (it says how to repair the ring)
+        print(f"reval launch: {err}", file=sys.stderr, flush=True)
+        return 1
     except Exception as err:
         log.error("launch failed: %s", err)
         return 1

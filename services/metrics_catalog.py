@@ -28,14 +28,14 @@ def registries() -> dict[str, CollectorRegistry]:
     from learner.service import LearnerMetrics
     from learner.step import UpdateMetrics
     from reval.metrics import TrainMetrics
+    from rollout.grading_pool import VerifierMetrics
     from rollout.math_task import TaskMetrics
-    from rollout.verify import VerifierMetrics
     from rollout.worker import RolloutMetrics
 
     learner = LearnerMetrics()
-    BufferMetrics(learner.registry)
+    BufferMetrics(learner.registry, role="consumer")
     rollout = RolloutMetrics()
-    BufferMetrics(rollout.registry)
+    BufferMetrics(rollout.registry, role="producer")
     VerifierMetrics(rollout.registry)
     TaskMetrics(rollout.registry)
     train = TrainMetrics()

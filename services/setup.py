@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,10 +32,17 @@ def build_policy_and_task(
     cfg: RunConfig, registry: CollectorRegistry | None = None
 ) -> tuple[Policy, Task, dict[str, float]]:
     """Load the policy, build the task, pretrain (tiny model) and calibrate (one-shot task).
-    The task's metrics (a math task's grading and skipped rows) go on ``registry``."""
+    The task's metrics (a math task's grading and skipped rows) go on ``registry``. A line says
+    when the model and the task are ready (the commands say at once that they set up; a model
+    or dataset they cannot use is then one line, with nothing before it), then the
+    pretraining's progress."""
+    t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.model, seed=cfg.seed)
     task = build_task(cfg.task, cfg.seed, policy.tokenizer, cfg.rollout, registry)
+    log.info("set-up: %s and the %s task (%d prompts) ready in %.0f s",
+             cfg.model.name_or_path or "the tiny model", cfg.task.kind, len(task.prompts),
+             time.monotonic() - t0)  # fmt: skip
     info: dict[str, float] = {}
     if cfg.model.pretrain_steps and cfg.model.name_or_path is None:
         info["pretrain_loss"] = pretrain(

@@ -7,6 +7,12 @@ buffer, then the batch source (``learner/batches.py``) hands out the round's upd
 trajectories for the value losses (the first on the fresh batch), the round's whole groups once
 each for GRPO. Checkpoints are the learner's (DCP, ``learner/checkpoint.py``); the result is a
 Hugging Face export in ``run_dir/final``.
+
+A stop (Ctrl-C, SIGTERM: ``StopSignals``) ends the round in hand, writes a checkpoint and ends
+the run without its export; ``train(..., resume=True)`` continues from the latest checkpoint:
+the policy, the reference, AdamW, the counters (step, updates, reference version, the batch
+schedule), the prompt deal and the round number carry on, ``metrics.jsonl`` is appended to. The
+embedded buffer lived in the stopped process's memory: it starts empty (the Redis one is kept).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,15 +36,16 @@ from learner.memory import apply_plan
 from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
 from reval.config import RunConfig, TaskConfig, dump_config
-from reval.metrics import JsonlWriter, TrainMetrics
+from reval.metrics import JsonlWriter, TrainMetrics, read_jsonl
 from reval.policy import Policy, compute_dtype
 from rollout.collect import Truncation, collect_round, evaluate
 from rollout.dealer import PromptDealer
 from rollout.engines import HFEngine, SamplingParams
 from rollout.environment import EpisodeRunner
 from rollout.math_task import read_rows
-from rollout.tasks import Prompt, Task
+from rollout.tasks import Prompt, Task, apply_task_setup, task_setup
 from services.setup import build_policy_and_task, exact_success
+from services.stop import StopSignals
 
 log = logging.getLogger("reval.train")
 
@@ -52,6 +60,13 @@ class TrainResult:
     initial_success: float
     final_success: float
     checkpoint: Path
+    """The Hugging Face export (``final/``); of a stopped run, its last learner checkpoint."""
+    stopped_by: int | None = None
+    """The signal that stopped the run before its last round (None: it finished)."""
+    round: int = 0
+    """The last round run."""
+    step: int = 0
+    """The learner's optimizer step at the end."""
 
 
 def _eval_prompts(task: Task, cfg: RunConfig, tokenizer: Any) -> list[Prompt]:
@@ -94,11 +109,14 @@ class Prepared:
     eval_prompts: list[Prompt]
 
 
-def prepare(cfg: RunConfig) -> Prepared:
+def prepare(cfg: RunConfig, resume: bool = False) -> Prepared:
     """Build the run (load the model, build the task and its evaluation prompts): what is wrong
     with the config's model, dataset or task raises here (OSError, FileNotFoundError,
-    ValueError), before anything is written to the run directory."""
+    ValueError), before anything is written to the run directory. ``resume``: no pretraining of
+    the tiny model (the checkpoint holds the weights; a one-shot task's calibration too)."""
     metrics = TrainMetrics()
+    if resume and cfg.model.pretrain_steps:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"pretrain_steps": 0})})
     policy, task, info = build_policy_and_task(cfg, metrics.registry)
     log.info(apply_plan(cfg, policy.model, policy.device).describe())
     eval_prompts = _eval_prompts(task, cfg, policy.tokenizer)
@@ -109,13 +127,27 @@ def train(
     cfg: RunConfig,
     progress: Callable[[dict[str, Any]], None] | None = None,
     prepared: Prepared | None = None,
+    resume: bool = False,
+    signals: StopSignals | None = None,
 ) -> TrainResult:
     """Run the configured training; ``progress`` is called with each round's record.
-    ``prepared``: the run built by ``prepare`` (default: built here)."""
-    run = EmbeddedRun.build(cfg, prepared or prepare(cfg), progress)
-    initial = success = run.start()
-    for rnd in range(1, cfg.learner.rounds + 1):
+    ``prepared``: the run built by ``prepare`` (default: built here). ``resume``: continue from
+    the latest checkpoint (FileNotFoundError when there is none). ``signals``: a stop they
+    caught ends the run after the round in hand, with a checkpoint (``TrainResult.stopped_by``).
+    """
+    run = EmbeddedRun.build(cfg, prepared or prepare(cfg, resume), progress, resume)
+    initial = run.resume() if resume else run.start()
+    success = run.last_success(initial)
+    if signals is not None:
+        signals.rounds = True
+    for rnd in range(run.last_round + 1, cfg.learner.rounds + 1):
+        if rnd == 1:
+            log.info("round 1 of %d: %d prompts x %d answers, then %d update(s)",
+                     cfg.learner.rounds, cfg.rollout.prompts_per_round, cfg.rollout.n,
+                     run.updates_per_round)  # fmt: skip
         record = run.round(rnd)
+        if signals is not None and signals.signum is not None:
+            return run.stop(initial, signals.signum)
         if "eval_success" in record:
             success = record["eval_success"]
         stop_at = cfg.learner.stop_at_success
@@ -151,6 +183,12 @@ class EmbeddedRun:
     warnings: list[str] = field(default_factory=list)
     """What the run warned about (``summary.json``)."""
     t_start: float = field(default_factory=time.perf_counter)
+    last_round: int = 0
+    """The last round run (by this process or, resumed, by the stopped one)."""
+    last_checkpoint: float = field(default_factory=time.monotonic)
+    """When the last checkpoint was written (``learner.checkpoint_every_s``)."""
+    saved_round: int | None = None
+    """The round of the last checkpoint written or loaded."""
 
     @classmethod
     def build(
@@ -158,13 +196,18 @@ class EmbeddedRun:
         cfg: RunConfig,
         prepared: Prepared,
         progress: Callable[[dict[str, Any]], None] | None = None,
+        resume: bool = False,
     ) -> EmbeddedRun:
-        """The run's directory (started afresh), learner, buffer (a Redis run of the same name
-        starts empty), batch source, update step, checkpointer, prompt deal and sampling."""
+        """The run's directory, learner, buffer, batch source, update step, checkpointer, prompt
+        deal and sampling. A fresh start starts the directory afresh (what an earlier run of the
+        same config left there goes: its checkpoints, metrics, curve and summary) and a Redis
+        buffer of the same name empty; ``resume`` keeps them (``resume`` loads the checkpoint)."""
         metrics, policy, task = prepared.metrics, prepared.policy, prepared.task
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (cfg.paths.metrics, cfg.paths.curve):
-            stale.unlink(missing_ok=True)
+        if not resume:
+            for stale in (cfg.paths.metrics, cfg.paths.curve, cfg.paths.summary):
+                stale.unlink(missing_ok=True)
+            shutil.rmtree(cfg.paths.checkpoints, ignore_errors=True)
         dump_config(cfg, cfg.paths.config)
         engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device,
                           stop_ids=policy.stop_ids)  # fmt: skip
@@ -172,14 +215,14 @@ class EmbeddedRun:
                           policy.device, compute_dtype=compute_dtype(cfg.model))  # fmt: skip
         buffer_metrics = BufferMetrics(metrics.registry)
         buffer = make_buffer(
-            cfg.buffer, cfg.name, cfg.seed, buffer_metrics, True,
+            cfg.buffer, cfg.name, cfg.seed, buffer_metrics, not resume,
             samples_per_insert=cfg.samples_per_insert, redis=cfg.redis,
         )  # fmt: skip
         source = BatchSource.from_config(buffer, cfg)
         step = UpdateStep(learner, cfg, buffer, UpdateMetrics(metrics.registry))
         checkpointer = Checkpointer(
             cfg.paths.checkpoints, learner.model, learner.reference.model, learner.optimizer,
-            [learner, step, source],
+            [learner, step, source], cfg.learner.keep_checkpoints,
         )  # fmt: skip
         if cfg.metrics.prometheus_port is not None:
             port = metrics.serve(cfg.metrics.prometheus_port, cfg.metrics.addr)
@@ -224,9 +267,79 @@ class EmbeddedRun:
     def start(self) -> float:
         """The initial policy's success (before any RL step), as round 0's record; a warning
         when reval's own format pretraining of the tiny model left it suspiciously high."""
+        log.info("evaluating the initial policy: %d prompts x %d samples",
+                 len(self.prepared.eval_prompts), self.cfg.eval.samples_per_prompt)  # fmt: skip
         initial = self.evaluate(0)
+        log.info("success before RL: %.3f", initial)
         self.prepared.metrics.success.set(initial)
         record0 = {"round": 0, "eval_success": initial, "policy_version": 0, **self.prepared.info}
+        self.warn_if_leaks(initial)
+        if self.exact is not None:
+            record0["success_exact"] = self.exact()
+        self.emit(record0)
+        return initial
+
+    def resume(self) -> float:
+        """Continue the stopped run: its latest checkpoint into the learner and the counters,
+        the prompt deal on from where it was, a one-shot task's calibration as it was, the
+        history of ``metrics.jsonl`` (rows past the checkpoint, of a run killed after it, are
+        dropped: those rounds run again). The success before RL, as the run measured it."""
+        cfg = self.cfg
+        path, meta = self.checkpointer.load()
+        self.last_round = int(meta.get("round", 0))
+        self.saved_round = self.last_round
+        dealt = int(meta.get("prompts_dealt", self.last_round * cfg.rollout.prompts_per_round))
+        if dealt:
+            self.dealer.take(dealt)
+        if meta.get("task_setup"):
+            apply_task_setup(self.prepared.task, meta["task_setup"])
+        rows = read_jsonl(cfg.paths.metrics) if cfg.paths.metrics.is_file() else []
+        self.history = [r for r in rows if int(r.get("round", 0)) <= self.last_round]
+        if len(self.history) < len(rows) and self.writer is not None:
+            self.writer.close()
+            cfg.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            self.writer = JsonlWriter(cfg.paths.metrics)
+        if self.history:
+            self.t_start -= float(self.history[-1].get("elapsed_s", 0.0))
+        kept = "kept (Redis)" if cfg.buffer.backend == "redis" else "empty (it was in memory)"
+        log.info("resumed from %s: round %d, step %d; the replay buffer starts %s; %s rows of "
+                 "metrics.jsonl kept", path, self.last_round, self.learner.step, kept,
+                 len(self.history))  # fmt: skip
+        initial = next((r["eval_success"] for r in self.history if r.get("round") == 0
+                        and "eval_success" in r), float("nan"))  # fmt: skip
+        self.warn_if_leaks(initial)
+        return float(initial)
+
+    def last_success(self, default: float) -> float:
+        """The last evaluation's success in the history, else ``default``."""
+        return next((r["eval_success"] for r in reversed(self.history)
+                     if "eval_success" in r), default)  # fmt: skip
+
+    def save(self) -> Path:
+        """A checkpoint now, with what ``resume`` needs beyond the learner's own counters: the
+        round, the prompts dealt, a one-shot task's calibration."""
+        setup = task_setup(self.prepared.task)
+        path = self.checkpointer.save(
+            round=self.last_round,
+            prompts_dealt=self.last_round * self.cfg.rollout.prompts_per_round,
+            **({"task_setup": setup} if setup is not None else {}),
+        )
+        self.last_checkpoint = time.monotonic()
+        self.saved_round = self.last_round
+        return path
+
+    def checkpoint_due(self, rnd: int) -> bool:
+        """Every ``learner.checkpoint_every`` rounds or ``checkpoint_every_s`` seconds since the
+        last, whichever comes first."""
+        lc = self.cfg.learner
+        by_count = bool(lc.checkpoint_every) and rnd % lc.checkpoint_every == 0
+        by_time = bool(lc.checkpoint_every_s) and (
+            time.monotonic() - self.last_checkpoint >= lc.checkpoint_every_s
+        )
+        return by_count or by_time
+
+    def warn_if_leaks(self, initial: float) -> None:
+        """The warning (logged, and kept for ``summary.json``) when ``warm_start_leaks``."""
         if self.warm_start_leaks(initial):
             self.warnings.append(
                 f"success before RL is {initial:.3f} after reval's format pretraining of the tiny "
@@ -234,10 +347,6 @@ class EmbeddedRun:
                 "(docs/tasks.md, the format pretraining)"
             )
             log.warning(self.warnings[-1])
-        if self.exact is not None:
-            record0["success_exact"] = self.exact()
-        self.emit(record0)
-        return initial
 
     def warm_start_leaks(self, success: float) -> bool:
         """Success before RL above ``LEAK_SUSPECT`` on a tiny model that reval pretrained: a
@@ -305,8 +414,9 @@ class EmbeddedRun:
         m.trajectories.inc(len(result.trajectories))
         m.tokens.inc(result.tokens)
         self.emit(record)
-        if cfg.learner.checkpoint_every and rnd % cfg.learner.checkpoint_every == 0:
-            self.checkpointer.save(round=rnd)
+        self.last_round = rnd
+        if self.checkpoint_due(rnd):
+            self.save()
         return record
 
     def updates(self, rnd: int) -> tuple[dict[str, float], int]:
@@ -331,15 +441,31 @@ class EmbeddedRun:
             upd.pop(key, None)
         return upd, done
 
+    def close(self) -> None:
+        """The metrics file and the task's grading pool (a math task's)."""
+        if self.writer:
+            self.writer.close()
+        close_verifier = getattr(self.prepared.task.verifier, "close", None)
+        if close_verifier is not None:
+            close_verifier()
+
+    def stop(self, initial: float, signum: int) -> TrainResult:
+        """Stopped by ``signum`` after a round: a checkpoint (the latest, unless this round's
+        was just written), no export, no summary (a run without one is unfinished)."""
+        self.close()
+        latest = self.cfg.paths.latest_checkpoint()
+        if latest is None or self.saved_round != self.last_round:
+            latest = self.save()
+        success = self.last_success(initial)
+        return TrainResult(self.cfg.run_dir, self.history, initial, success, latest, signum,
+                           self.last_round, self.learner.step)  # fmt: skip
+
     def finish(self, initial: float, success: float) -> TrainResult:
         """The last checkpoint, the Hugging Face export, the curve and the summary."""
         cfg, p, history = self.cfg, self.prepared, self.history
-        if self.writer:
-            self.writer.close()
-        close_verifier = getattr(p.task.verifier, "close", None)
-        if close_verifier is not None:  # the math task's grading pool
-            close_verifier()
-        self.checkpointer.save(round=history[-1]["round"])
+        first = history[0] if history else {}
+        self.close()
+        self.save()
         with _no_library_progress_bar():  # (transformers' bar of its one shard)
             ckpt = export_hf(p.policy.model, p.policy.tokenizer, cfg.paths.final)
         if cfg.metrics.plot:
@@ -349,16 +475,17 @@ class EmbeddedRun:
         summary = {
             "success_before_rl": initial,
             "final_success": success,
-            "rounds": history[-1]["round"],
-            "success_exact": history[-1].get("success_exact"),
+            "rounds": self.last_round,
+            "success_exact": history[-1].get("success_exact") if history else None,
             "policy_version": self.learner.step,
             "skipped_steps": self.learner.skipped_steps,
             "pretrain_steps": cfg.model.pretrain_steps if cfg.model.name_or_path is None else 0,
-            **{k: history[0][k] for k in ("pretrain_prompts_unpaired",) if k in history[0]},
+            **{k: first[k] for k in ("pretrain_prompts_unpaired",) if k in first},
             "warnings": self.warnings,
         }
         cfg.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
-        return TrainResult(cfg.run_dir, history, initial, success, ckpt)
+        return TrainResult(cfg.run_dir, history, initial, success, ckpt, None, self.last_round,
+                           self.learner.step)  # fmt: skip
 
 
 @contextmanager

@@ -34,6 +34,27 @@ def make_traj(
     )
 
 
+@pytest.fixture(autouse=True)
+def _own_threads(monkeypatch: pytest.MonkeyPatch):
+    """A test that runs ``reval train`` (or a learner, a worker) in this process applies its
+    thread budget and starts a tuner here (``reval/threads.py``): both are put back after it, so
+    no later test runs at another thread count. And the tests' runs hold their thread count
+    (``OMP_NUM_THREADS``, the operator's setting, here the count torch has, as before the
+    budget): a tuner picks its count by timing, and a run's float results (a learning curve a
+    test holds to a bar) would then depend on the machine's load. The tuner's own tests unset
+    it."""
+    import torch
+
+    from reval import threads
+
+    monkeypatch.setattr(threads, "_tuner", None)
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or str(before))
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def traj_factory():
     return make_traj

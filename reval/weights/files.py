@@ -18,6 +18,7 @@ never sees half a file); the last ``keep`` stay on disk so that a slow reader ke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from reval.config import RunConfig
 from reval.paths import free_space, last_line
+from reval.ratelog import RateLog
 from reval.redis import weights_key
 from reval.retry import retry_redis
 from reval.weights.buckets import TensorMeta, copy_bytes
@@ -103,7 +105,7 @@ class WeightStore:
         self._announce_file = client.register_script(_ANNOUNCE_FILE)
 
     def _retry(self, fn: Any) -> Any:
-        return retry_redis(fn, self.retry_s, "weights announcement", log)
+        return retry_redis(fn, self.retry_s, "weights announcement")
 
     def announce(self, version: int, lineage: str, broadcast: str | None, first: bool) -> None:
         """Announce ``version`` of ``lineage`` (``first``: the lineage's first, which drops the
@@ -149,7 +151,8 @@ class WeightStore:
             os.utime(tmp, ns=(now, now))
             os.replace(tmp, path)
         except (OSError, SafetensorError) as err:  # a full disk, a read-only or vanished volume
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (a vanished directory cannot be unlinked in)
+                tmp.unlink(missing_ok=True)
             raise WeightWriteError(
                 f"could not write weights {path} ({free_space(self.dir)}): {last_line(err)}"
             ) from None
@@ -195,7 +198,8 @@ class WeightStore:
 def run_store(cfg: RunConfig, client: redis.Redis) -> WeightStore:
     """The run's announcement and files (``sync.weights_dir``, default ``{run_dir}/weights``)."""
     weights_dir = cfg.sync.weights_dir or str(cfg.paths.weights)
-    return WeightStore(client, cfg.redis.prefix, cfg.name, weights_dir)
+    return WeightStore(client, cfg.redis.prefix, cfg.name, weights_dir,
+                       retry_s=cfg.redis.outage_s)  # fmt: skip
 
 
 def save_tensors(named_tensors: Iterable[tuple[str, Tensor]], path: Path, version: int) -> None:
@@ -225,6 +229,15 @@ def safetensors_header(metas: list[TensorMeta], version: int) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+DISK_KEY = "weights-file"
+"""The ``RateLog`` key of failed weight-file writes."""
+NO_BROADCAST = (
+    "the broadcast is off (sync.broadcast): no worker gets a newer version until a file is written"
+)
+ANNOUNCE_KEY = "weights-announce"
+"""The ``RateLog`` key of files written but not announced (Redis away)."""
+
+
 class FileWriter:
     """Writes versions' files off the learner's critical path: the sender copies each packed
     tensor into a host mirror as it goes (``begin``/``copy``/``commit``; on a GPU an
@@ -232,11 +245,25 @@ class FileWriter:
     the file. The mirror (one copy of the weights in the compute dtype, the file's exact data)
     is allocated once and reused. While a file is being written the next version's is skipped
     (``skipped``): the learner never waits for the disk. A failed write (a full disk) is logged
-    in one line (the file, the free space) and the run goes on."""
+    in one line (the file, the free space, what goes on: the broadcast, or nothing new for the
+    workers when ``broadcast`` is off), then at most a line a minute with the count of those
+    held back (``reval.ratelog.RateLog``), and one line when a file is written again; the run
+    goes on."""
 
-    def __init__(self, store: WeightStore, lineage: str) -> None:
+    def __init__(
+        self,
+        store: WeightStore,
+        lineage: str,
+        broadcast: bool = True,
+        ratelog: RateLog | None = None,
+    ) -> None:
         self.store = store
         self.lineage = lineage
+        self.broadcast = broadcast
+        """Whether the learner broadcasts its versions (a failed file costs the workers that
+        read files only); without, no worker gets a newer version until a file is written."""
+        self.ratelog = ratelog or RateLog(log)
+        """The throttle of the failed-write lines (one a minute, with the count)."""
         self._mirror: Tensor | None = None
         self._busy = threading.Event()
         self._metas: list[TensorMeta] = []
@@ -321,15 +348,21 @@ class FileWriter:
             self.store.announce_file(version, path, self.lineage)
             self.written += 1
             self.last_written = version
+            self.ratelog.recovered(DISK_KEY, "weights v%d: written to %s again", version,
+                                   self.store.dir)  # fmt: skip
+            self.ratelog.recovered(ANNOUNCE_KEY, "weights v%d: its file is announced again",
+                                   version)  # fmt: skip
         except WeightWriteError as err:
             self.errors += 1
             self.last_error = str(err)
-            log.error("%s; the workers that read files keep v%s, the broadcast goes on",
-                      err, self._announced())  # fmt: skip
+            then = "the broadcast goes on" if self.broadcast else NO_BROADCAST
+            self.ratelog.error(DISK_KEY, "%s; the workers that read files keep v%s, %s",
+                               err, self._announced(), then)  # fmt: skip
         except Exception as err:  # Redis away past its retries: the next file announces
             self.errors += 1
             self.last_error = last_line(err)
-            log.error("weights v%d: the file was not announced: %s", version, last_line(err))
+            self.ratelog.error(ANNOUNCE_KEY, "weights v%d: the file was not announced: %s",
+                               version, last_line(err))  # fmt: skip
         finally:
             self._busy.clear()
 

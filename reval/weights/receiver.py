@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 from reval.config import RunConfig
+from reval.ratelog import RateLog
+from reval.retry import wait_fault
 from reval.weights.buckets import unpack_bucket
 from reval.weights.collective import BroadcastReceiver, parse_address
 from reval.weights.files import UNREADABLE, WeightStore, run_store
@@ -146,6 +148,10 @@ class WeightSubscriber:
         self.source: str | None = None
         """Where it came from: ``"file"`` or ``"broadcast"``."""
         self.hub: str | None = None
+        self.loads = RateLog(log)
+        """Weight loads (and failed reads) are logged through it: the first, then one a minute
+        with the count, at once when the source or the lineage changes or after a failed read."""
+        self._failures = 0
         """The hub address last announced (joined, or not joinable from here)."""
         self.joined_broadcast = False
         """True once it has joined a hub: a receiver thread may outlive ``close()`` (stuck in a
@@ -178,8 +184,10 @@ class WeightSubscriber:
                 return version
         try:
             ann = self.store.latest()
-        except (redis.ConnectionError, redis.TimeoutError):
-            return None  # Redis away: keep the weights in hand
+        except Exception as err:
+            if not wait_fault(err):
+                raise
+            return None  # Redis away past redis.outage_s: keep the weights in hand
         if ann is None:
             return None
         if ann.broadcast != self.hub:
@@ -194,14 +202,17 @@ class WeightSubscriber:
         if not receiver.load_file(ann.path, ann.file_version):
             # Pruned by the learner, or cut short on a shared volume: the next announcement
             # has a newer file; the weights in hand stay in use meanwhile.
-            log.warning("weights v%d could not be read (pruned?)", ann.file_version)
+            self.loads.warning("failed", "weights v%d could not be read (pruned?)",
+                               ann.file_version)  # fmt: skip
+            self._failures += 1  # (the next load is logged at once)
             return None
         self._loaded(ann.file_version, ann.lineage, "file")
         return ann.file_version
 
     def _loaded(self, version: int, lineage: str | None, source: str) -> None:
         self.version, self.lineage, self.source = version, lineage, source
-        log.info("worker %s: loaded weights v%d (%s)", self.worker_id, version, source)
+        self.loads.info("load", "worker %s: loaded weights v%d (%s)", self.worker_id, version,
+                        source, state=f"{source}/{lineage}/{self._failures}")  # fmt: skip
 
     def _join(self, address: str | None, lineage: str, receiver: WeightReceiver) -> None:
         """Join the hub at ``address`` (leaving the previous one; None: leave only); a worker

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from reval.config import RunConfig
+from reval.retry import skip_when_stopping
 from reval.weights.buckets import BufferPool, PlannedBucket, plan_buckets
 from reval.weights.collective import IN_FLIGHT, BroadcastHub
 from reval.weights.files import FileWriter, WeightStore, run_store
@@ -90,7 +91,8 @@ class WeightSender:
         self.store, self.hub, self.host = store, hub, host
         self.lineage = secrets.token_hex(8)
         """This learner's id in the announcement (a resumed learner is a new lineage)."""
-        self.files = FileWriter(store, self.lineage) if store is not None else None
+        broadcast = hub is not None
+        self.files = FileWriter(store, self.lineage, broadcast) if store is not None else None
         self.pool = hub.pool if hub is not None else BufferPool(keep=IN_FLIGHT + 2)
         self.sent = 0
         self._plan: list[PlannedBucket] | None = None
@@ -133,7 +135,8 @@ class WeightSender:
         lead = self.rank == 0
         hub = file = False
         if lead and self.store is not None:
-            self.store.announce(version, self.lineage, self.address, first=self.sent == 0)
+            with skip_when_stopping():  # (a stop during an outage: the ranks go on to its end)
+                self.store.announce(version, self.lineage, self.address, first=self.sent == 0)
         if lead and self.hub is not None:
             hub = self.hub.start(version, plan)
         if lead and self.files is not None:

@@ -12,11 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from reval.config import ApiConfig
 from services.api.routes import docs_router, health_router, runs_router
-from services.api.runs import Launcher, RunService, Store
+from services.api.runs import Launcher, RunService, Store, cut
 from services.api.security import Auth, BodyLimit
 
 API_VERSION = "v1"
@@ -40,6 +40,31 @@ def create_app(
     latency = Histogram(
         "reval_api_request_seconds", "API request latency", ["route"], registry=metrics
     )
+    run_workers = Gauge(
+        "reval_api_run_workers",
+        "Rollout workers generating for a running or paused run (registered, not on standby)",
+        ["run"],
+        registry=metrics,
+    )
+    run_desired = Gauge(
+        "reval_api_run_workers_desired",
+        "Rollout workers the run should have (its control's count, reval runs scale)",
+        ["run"],
+        registry=metrics,
+    )
+
+    def refresh() -> None:
+        """The run gauges, read from Redis at each scrape (none while Redis is away)."""
+        run_workers.clear()
+        run_desired.clear()
+        try:
+            counts = service.worker_counts()
+        except redis.RedisError:
+            return
+        for run, running, desired in counts:
+            run_workers.labels(run).set(running)
+            run_desired.labels(run).set(desired)
+
     guarded = cfg.reads_need_token()  # (then /docs and /openapi.json need the token too)
     app = FastAPI(
         title="reval control plane",
@@ -58,7 +83,7 @@ def create_app(
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's own answer, except that a refused NaN or Infinity (Python's JSON parser
         # reads them) is echoed as a string: as a float it cannot be sent, and that was a 500.
-        detail = _finite(jsonable_encoder(exc.errors()))
+        detail = _cut(_finite(jsonable_encoder(exc.errors())))
         return JSONResponse({"detail": detail}, status_code=422)
 
     @app.middleware("http")
@@ -72,11 +97,23 @@ def create_app(
         return response
 
     auth = Auth(cfg)
-    app.include_router(health_router(service, metrics, auth))
+    app.include_router(health_router(service, metrics, auth, refresh))
     app.include_router(runs_router(service, auth))
     if guarded:
         app.include_router(docs_router(app, auth))
     return app
+
+
+def _cut(value: Any, key: str = "") -> Any:
+    """FastAPI's 422 detail with every string it echoes (the input, a key in ``loc``) over
+    ``NAME_SHOWN`` characters cut, with the count left out; its own ``msg`` kept whole."""
+    if isinstance(value, str) and key != "msg":
+        return cut(value)
+    if isinstance(value, dict):
+        return {k: _cut(v, k) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_cut(v, key) for v in value]
+    return value
 
 
 def _finite(value: Any) -> Any:

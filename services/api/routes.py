@@ -3,6 +3,7 @@ returns what it built. docs/api.md describes them for users."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query
@@ -16,9 +17,15 @@ from services.api.runs import RunService
 from services.api.security import Auth
 
 
-def health_router(service: RunService, metrics: CollectorRegistry, auth: Auth) -> APIRouter:
+def health_router(
+    service: RunService,
+    metrics: CollectorRegistry,
+    auth: Auth,
+    refresh: Callable[[], None] = lambda: None,
+) -> APIRouter:
     """``/healthz`` (the process answers), ``/readyz`` (and its Redis does): open;
-    ``/metrics``: open where ``api.open_metrics`` says (``Auth.metrics``)."""
+    ``/metrics``: open where ``api.open_metrics`` says (``Auth.metrics``), after ``refresh()``
+    (the gauges read from Redis at each scrape)."""
     router = APIRouter(tags=["health"])
 
     @router.get("/healthz", response_model=Health)
@@ -33,6 +40,7 @@ def health_router(service: RunService, metrics: CollectorRegistry, auth: Auth) -
     @router.get("/metrics", response_class=PlainTextResponse,
                 dependencies=[Depends(auth.metrics)])  # fmt: skip
     def prometheus() -> PlainTextResponse:
+        refresh()
         return PlainTextResponse(generate_latest(metrics).decode(),
                                  media_type="text/plain; version=0.0.4")  # fmt: skip
 

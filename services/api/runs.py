@@ -31,15 +31,35 @@ from reval.config import (
     build_config,
     public_dump,
 )
-from reval.control import DRIVER_TIMEOUT_S, LiveHParams, RunControl, RunLease
+from reval.control import DRIVER_TIMEOUT_S, STARTING_TIMEOUT_S, LiveHParams, RunControl, RunLease
 from reval.redis import claim_key, connect, runs_key
 from reval.run_dir import RunDir
+from reval.threads import machine_cpus
 from services.api.models import Accepted, BufferInfo, CreateRun, Event, Health, RunInfo, WorkerInfo
 
 FINISHED = ("stopped", "done", "failed")
 LIVE = ("starting", "running", "paused")
 Launcher = Callable[[str, Path], int]
 """``launcher(name, config_path) -> pid``: how a run is started (default: ``reval launch``)."""
+
+
+NAME_SHOWN = 80
+"""Longest run name an error repeats whole (a valid one has at most 64 characters)."""
+
+
+def cut(text: str, quote: bool = False) -> str:
+    """``text`` as an error message echoes it (quoted with ``quote``): cut after ``NAME_SHOWN``
+    characters with the count of those left out (a 10,000-character name in a URL is not echoed
+    back). The one cut of every echoed string (``shown``, the API's 422s)."""
+    head = repr(text[:NAME_SHOWN]) if quote else text[:NAME_SHOWN]
+    if len(text) <= NAME_SHOWN:
+        return head
+    return f"{head}... ({len(text) - NAME_SHOWN} more characters)"
+
+
+def shown(name: str) -> str:
+    """``name`` quoted for an error message, cut (``cut``)."""
+    return cut(name, quote=True)
 
 
 def _invalid(loc: list[str], msg: str) -> HTTPException:
@@ -148,10 +168,40 @@ class RunService:
         return Health(ok=True)
 
     def entry(self, name: str) -> dict[str, Any]:
+        """The run's entry in the API's registry; a 404 otherwise, saying whether anything of
+        that name has started (``not_registered``)."""
         entry = self.store.get(name)
         if entry is None:
-            raise HTTPException(404, f"no run {name!r}")
+            raise HTTPException(404, self.not_registered(name))
         return entry
+
+    def not_registered(self, name: str) -> str:
+        """Why ``name`` has no entry: a learner (its lease, or its ``starting`` status) or
+        workers of that name have started but the learner has not registered the run yet (it
+        does once its model is built: about a minute after ``docker compose up``), it is being
+        created, or nothing of it exists."""
+        if len(name) > NAME_SHOWN:
+            return f"no run {shown(name)}"
+        client, prefix = self.store.client, self.cfg.key_prefix
+        try:
+            holder = RunLease(client, prefix, name, 1).holder()
+            status = self.store.control(name).read_status()  # (a starting learner says so)
+            if status.phase == "starting" and time.time() - (status.time or 0) < STARTING_TIMEOUT_S:
+                holder = holder or {"starting": True}
+            workers = registry.workers(client, prefix, name)
+            creating = bool(client.exists(claim_key(prefix, name)))
+        except (redis.ConnectionError, redis.TimeoutError):
+            return f"no run {shown(name)} (Redis unreachable: cannot tell whether it is starting)"
+        if creating:
+            return f"run {shown(name)} is not registered yet: it is being created"
+        if holder is not None or workers:
+            who = [*(["its learner"] if holder is not None else []),
+                   *([f"{len(workers)} rollout worker(s)"] if workers else [])]  # fmt: skip
+            return (f"run {shown(name)} is not registered yet: {' and '.join(who)} started, and "
+                    "its learner registers it once its model is built (a minute or more after "
+                    "the start); ask again")  # fmt: skip
+        return (f"no run {shown(name)}: not created here, and no learner or rollout worker of "
+                "that name has started")  # fmt: skip
 
     def runs(self) -> list[RunInfo]:
         out = []
@@ -172,7 +222,10 @@ class RunService:
             # learner.lease_s): a status that says running with no lease is a learner that died.
             phase = status.phase or "starting"
             held = RunLease(self.store.client, self.cfg.key_prefix, name, 1).holder() is not None
-            alive = phase not in FINISHED and held
+            # A learner that starts (its model, pretraining) says so every few seconds until
+            # its first update (learner/ranks.py: StartingStatus).
+            starting = phase == "starting" and time.time() - (status.time or 0) < STARTING_TIMEOUT_S
+            alive = phase not in FINISHED and (held or starting)
             if not alive and phase not in FINISHED:
                 phase = "failed"
         else:
@@ -281,17 +334,17 @@ class RunService:
         name, store = run_cfg.name, self.store
         old = store.get(name)
         if old is not None and self.info(name, old).phase not in (*FINISHED, "registered"):
-            raise HTTPException(409, f"run {name!r} exists and is live")
+            raise HTTPException(409, f"run {shown(name)} exists and is live")
         checkpoints = run_cfg.paths.has_checkpoint()
         if checkpoints and not body.resume:
             raise HTTPException(409, _checkpoints_hint(name, run_cfg.run_dir, old is not None))
         if body.resume and not checkpoints:
-            raise HTTPException(409, f"run {name!r} has no checkpoint in {run_cfg.run_dir} to "
+            raise HTTPException(409, f"run {shown(name)} has no checkpoint in {run_cfg.run_dir} to "
                                 "resume from: create it without resume")  # fmt: skip
         # One creator at a time per name (two concurrent creates must not both launch).
         claim = claim_key(self.cfg.key_prefix, name)
         if not store.client.set(claim, "1", nx=True, ex=30):
-            raise HTTPException(409, f"run {name!r} is being created")
+            raise HTTPException(409, f"run {shown(name)} is being created")
         control = store.control(name)
         control.clear()
         entry: dict[str, Any] = {
@@ -312,7 +365,7 @@ class RunService:
         entry, _ = self._acting(name, "start", ("registered", *FINISHED))
         claim = claim_key(self.cfg.key_prefix, name)
         if not self.store.client.set(claim, "1", nx=True, ex=30):
-            raise HTTPException(409, f"run {name!r} is being started")
+            raise HTTPException(409, f"run {shown(name)} is being started")
         self.store.control(name).restart()  # the last start's final status goes
         self._start(name, entry)
         self.store.put(name, entry)
@@ -354,13 +407,13 @@ class RunService:
         entry = self.entry(name)
         current = self.info(name, entry)
         if current.phase not in allowed:
-            raise HTTPException(409, f"cannot {action} run {name!r}: it is {current.phase}")
+            raise HTTPException(409, f"cannot {action} run {shown(name)}: it is {current.phase}")
         return entry, current
 
     def pause(self, name: str) -> Accepted:
         self._acting(name, "pause", ("starting", "running"))
         if self.store.control(name).read().phase == "paused":
-            raise HTTPException(409, f"run {name!r} is already pausing")
+            raise HTTPException(409, f"run {shown(name)} is already pausing")
         self.store.control(name).set_phase("paused")
         return Accepted(run=name, action="pause")
 
@@ -368,7 +421,7 @@ class RunService:
         # (the learner reports "paused" one update after the request: the request decides)
         self._acting(name, "resume", LIVE)
         if self.store.control(name).read().phase != "paused":
-            raise HTTPException(409, f"run {name!r} is not paused")
+            raise HTTPException(409, f"run {shown(name)} is not paused")
         self.store.control(name).set_phase("running")
         return Accepted(run=name, action="resume")
 
@@ -384,9 +437,65 @@ class RunService:
         return Accepted(run=name, action=what, detail={"request": n})
 
     def scale(self, name: str, workers: int) -> Accepted:
-        self._acting(name, "scale", LIVE)
+        """The desired count is written to the run's control; the answer says what the
+        deployment will do with it (``deployment``)."""
+        entry, current = self._acting(name, "scale", LIVE)
         self.store.control(name).set_workers(workers)
-        return Accepted(run=name, action="scale", detail={"workers": workers})
+        running = len([w for w in current.workers if w.status != "standby"])
+        return Accepted(run=name, action="scale",
+                        detail={"workers": workers, "running": running,
+                                **self.deployment(entry, workers, running)})  # fmt: skip
+
+    def deployment(self, entry: dict[str, Any], workers: int, running: int) -> dict[str, Any]:
+        """Who runs the run's workers (``executor``: ``external`` for a run started outside the
+        API, under compose or by hand; ``ray`` for ``reval launch`` on the cluster at
+        ``api.ray_address``; ``local-ray`` for ``reval launch`` on a Ray of its own), whether
+        it can start workers (``can_start``), how many that own Ray has room for (``room``,
+        CPU workers) and a ``note`` saying what happens next."""
+        if entry.get("external"):
+            note = (f"this run was started outside the API (compose or by hand): the API starts "
+                    f"no worker; workers beyond {workers} go on standby")  # fmt: skip
+            if workers > running:
+                note += (f", but only the {running} running now generate: more need more worker "
+                         "processes (a compose file with more rollout services: `reval compose "
+                         "--workers N`, or `reval rollout` by hand)")  # fmt: skip
+            return {"executor": "external", "can_start": False, "note": note}
+        out: dict[str, Any] = {"executor": "ray", "can_start": True}
+        where = f"the Ray cluster at {self.cfg.ray_address}"
+        room = None
+        if not self.cfg.ray_address:  # (reval launch sized a Ray of its own on this machine)
+            out["executor"], where = "local-ray", "a Ray of its own on this machine"
+            room = _local_room(entry.get("config") or {})
+            if room is not None:
+                out["room"] = room[1]
+                where += f" ({room[0]:g} CPUs: room for {room[1]} workers)"
+        note = (f"reval launch starts or drains workers to {workers} on {where}; each needs "
+                "launch.rollout_cpus and launch.rollout_gpus, and one Ray has no room for "
+                "waits until it has")  # fmt: skip
+        if room is not None and workers > room[1]:
+            note += f": {workers - room[1]} of them will wait"
+        return {**out, "note": note}
+
+    def worker_counts(self) -> list[tuple[str, int, int]]:
+        """``(run, running, desired)`` of each running or paused run with a desired count:
+        running is the registered workers not on standby. Read at each scrape of /metrics
+        (``reval_api_run_workers``, ``reval_api_run_workers_desired``)."""
+        out = []
+        for name in self.store.names():
+            entry = self.store.get(name)
+            if entry is None:
+                continue
+            control = self.store.control(name)
+            phase, _ = self._phase(name, entry, control)
+            desired = control.read().workers
+            if desired is None and entry.get("external"):
+                desired = _int((entry.get("config") or {}).get("launch", {}).get("workers"))
+            if phase not in ("running", "paused") or desired is None:
+                continue
+            workers = registry.workers(self.store.client, self.cfg.key_prefix, name)
+            running = len([w for w in workers if w.get("status") != "standby"])
+            out.append((name, running, desired))
+        return out
 
     def hparams(self, name: str, body: LiveHParams) -> Accepted:
         if not body.set_fields():
@@ -397,17 +506,22 @@ class RunService:
 
 
 def _check_user_code(run_cfg: RunConfig, api: ApiConfig) -> None:
-    """``task.reward`` and ``task.environment``: a file under ``models_dir`` (``_confine`` has
-    checked where it lies), or installed code on the API's list (``reval.plugins.listed``: the
+    """``algo.name``: a built-in loss only. ``task.reward`` and ``task.environment``: a file
+    under ``models_dir`` (``_confine`` has checked where it lies), or installed code on the
+    API's list (``reval.plugins.listed``: the
     built-in graders and ``api.plugins``), by a plain name (no dotted path); each then checked
     by ``reval.paths.check_isolated`` in a throw-away process (this process imports nothing a
     client names). ``http_reward``'s URL and ``token_env`` are checked as the grading
     processes will check them (``rollout.http_guard``). 422s, in lines that repeat nothing an
     import said."""
-    from reval.config import BUILTIN_ENVIRONMENTS
+    from reval.config import BUILTIN_ALGORITHMS, BUILTIN_ENVIRONMENTS
     from reval.paths import check_isolated, reward_file
     from reval.plugins import BUILTIN_PLUGINS, PluginRefused, listed, split_spec
 
+    if run_cfg.algo.name not in BUILTIN_ALGORITHMS:  # (a loss is learner code: never over REST)
+        raise _invalid(["body", "config", "algo", "name"],
+                       f"algo.name: a loss of your own ({run_cfg.algo.name}) is not taken over "
+                       f"REST; the built-in ones are {', '.join(BUILTIN_ALGORITHMS)}")  # fmt: skip
     task = run_cfg.task
     for field, spec in (("reward", task.reward), ("environment", task.environment)):
         if spec is None or (field == "environment" and spec in BUILTIN_ENVIRONMENTS):
@@ -487,13 +601,34 @@ def _checkpoints_hint(name: str, run_dir: Path, known: bool) -> str:
     """The 409 of a create over a run directory with checkpoints, with the commands that work:
     ``start`` where this API knows the run, ``create --resume`` (it registers the run over its
     checkpoints) where it does not, and a new name for a new run."""
-    where = f"run {name!r} has checkpoints in {run_dir}"
+    where = f"run {shown(name)} has checkpoints in {run_dir}"
     new = f"a new run needs a new name (--set name={name}-2)"
     if known:
         return (f"{where}: `reval runs start {name}` (POST /v1/runs/{name}/start) continues it; "
                 f"{new}")  # fmt: skip
     return (f"{where} that this API did not start: the same `reval runs create` with --resume "
             '(body "resume": true) continues from them; ' + new)  # fmt: skip
+
+
+def _local_room(config: dict[str, Any]) -> tuple[float, int] | None:
+    """``(CPUs, workers it has room for)`` of the local Ray that ``reval launch`` started for
+    a run of this (registered) config on this machine, as it sizes it
+    (``LaunchConfig.local_ray_cpus``); None for GPU workers (their room is the GPUs')."""
+    from reval.config import LaunchConfig
+
+    try:
+        launch = LaunchConfig(**(config.get("launch") or {}))
+        world = int((config.get("learner") or {}).get("world_size", 1))
+    except (TypeError, ValueError):
+        return None
+    if launch.rollout_gpus > 0:
+        return None
+    cores = machine_cpus()
+    return launch.local_ray_cpus(world, cores), launch.local_ray_room(world, cores)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _valid_stream_id(s: str) -> bool:

@@ -4,9 +4,11 @@ check passes, the demo trains through the stack, and everything is checked from 
 containers (the API's published port, `reval runs`, Prometheus's /api/v1/query): the learner's
 step advances, Prometheus scrapes the learner and both workers, the run pauses, resumes, takes
 a new learning rate and a new worker count (the younger worker on standby, then back), survives
-a killed worker container, and keeps every buffered trajectory across a restart of Redis and one
-of the API. Then `down -v`. Every container's log is written under the test's tmp dir, and
-printed when a test fails.
+a killed worker container, keeps every buffered trajectory across a restart of Redis and one
+of the API, and the learner killed in its container is started again by the restart policy and
+resumes within one checkpoint interval, while one stopped with `docker stop` checkpoints, exits
+143 and stays down until started. Then `down -v`. Every container's log is written under the
+test's tmp dir, and printed when a test fails.
 
 The tests share one stack (a module fixture) and run in file order."""
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -217,8 +220,15 @@ def test_prometheus_scrapes_the_learner_and_both_workers(stack: Stack) -> None:
 
     wait_for(lambda: len(up("reval-rollout")) == 2, 60, "both workers scraped")
     assert len(up("reval-learner")) == 1 and len(up("reval-api")) == 1
-    rows = wait_for(lambda: stack.query("reval_learner_updates_total"), 30, "the learner's updates")
-    assert float(rows[0]["value"][1]) >= 1
+    # (a sample is up to one scrape interval old, and a counter starts at 0 in each learner
+    # process: wait for a scrape that saw an update; CI once read 0 here right after `up`)
+    deadline = time.monotonic() + 60
+    while True:
+        seen = stack.query("reval_learner_updates_total")
+        if any(float(r["value"][1]) >= 1 for r in seen):
+            break
+        assert time.monotonic() < deadline, f"no scrape saw an update in 60 s: {seen}"
+        time.sleep(1.0)
     rows = stack.query("sum(reval_rollout_trajectories_total)")
     assert rows and float(rows[0]["value"][1]) > 0
 
@@ -340,4 +350,47 @@ def test_a_restart_loses_nothing_buffered_and_the_run_goes_on(stack: Stack, serv
     assert after["buffer"] == before, (before, after["buffer"])
     assert after["phase"] == "paused"
     stack.runs("resume", RUN)
+    stack.advances(3, 240)
+
+
+def container_log(stack: Stack, service: str, since: float | None = None) -> str:
+    """The container's output (``since``: from that Unix time on)."""
+    after = ["--since", f"{since:.3f}"] if since is not None else []
+    done = subprocess.run(["docker", "logs", *after, stack.container(service)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    return done.stdout + done.stderr
+
+
+def inspect(stack: Stack, service: str, field: str) -> str:
+    fmt = "{{.State." + field + "}}"
+    return subprocess.run(["docker", "inspect", "-f", fmt, stack.container(service)],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+
+
+def test_a_killed_learner_resumes_and_a_stopped_one_stays_down(stack: Stack) -> None:
+    every = int(SMALL["REVAL__LEARNER__CHECKPOINT_EVERY"])
+    stack.advances(every + 2, 300)  # past a checkpoint
+    # A crash (the learner's process killed under it): restart: on-failure starts it again and
+    # --resume-if-any resumes from the latest checkpoint, within one interval of where it was.
+    at = stack.step()
+    os.kill(int(inspect(stack, "learner", "Pid")), signal.SIGKILL)
+    line = r"resumed at step (\d+) from checkpoint"
+    found = wait_for(lambda: re.search(line, container_log(stack, "learner")), 300, line)
+    resumed = int(found.group(1))
+    # (it may have stepped once or twice past `at` before the kill)
+    assert resumed % every == 0 and at - every < resumed < at + every, (at, resumed)
+    stack.wait_healthy(("learner",), 300)
+    stack.advances(3, 240)
+    # `docker stop` (SIGTERM): the update in hand, a checkpoint, one line, exit 143; a container
+    # stopped by hand is not restarted.
+    since = time.time()
+    stack.compose("stop", "learner", timeout=200)
+    assert inspect(stack, "learner", "ExitCode") == "143"
+    log = container_log(stack, "learner", since)
+    assert len(re.findall(r"stopped by SIGTERM at step \d+: checkpoint", log)) == 1, log[-3000:]
+    assert "Traceback" not in log
+    time.sleep(5)
+    assert inspect(stack, "learner", "Status") == "exited"
+    stack.compose("start", "learner")
+    stack.wait_healthy(("learner",), 300)
     stack.advances(3, 240)

@@ -4,7 +4,9 @@ the compose-spec JSON schema (``check-jsonschema``), and the commands of its api
 rollout services run here as local processes with the services' own environment, pointed at
 loopback (the test's Redis and key prefix, free ports, a temporary /runs, the CPU demo config).
 The run is then steered through the API like a deployment would be: health and readiness of
-every process, the run visible in the API, a live change, a stop that drains the worker."""
+every process, the run visible in the API, the learner killed mid-run and started again with the
+same command (as Docker's restart policy does) resuming within one checkpoint interval while the
+API shows it starting, a live change, a stop that drains the worker."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import pytest
 import yaml
 
 from reval.metrics import read_jsonl
+from reval.redis import lease_key
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "compose-test-token-0123456789"
@@ -179,21 +182,41 @@ def wait_for(fn, timeout: float, what: str, procs=()):
         time.sleep(0.3)
 
 
+def phases_while(cond, api: str, auth: dict, timeout: float, procs) -> list[str]:
+    """The run's phases as the API shows them (every change) until ``cond()``."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not cond():
+        phase = httpx.get(f"{api}/v1/runs/composed", headers=auth).json().get("phase")
+        if not seen or seen[-1] != phase:
+            seen.append(phase)
+        for name, p in procs:
+            assert p.poll() is None, f"{name} exited ({p.returncode})"
+        assert time.monotonic() < deadline, f"timed out; phases {seen}"
+        time.sleep(0.2)
+    return seen
+
+
 def test_compose_services_run_as_local_processes(tmp_path, redis_url, redis_prefix):
     cfg = compose_config(**SECRETS, REVAL_CONFIG="demo.toml", REVAL_RUN="composed")
     services = cfg["services"]
     ports = {8080: free_port(), 9400: free_port(), 9401: free_port()}
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    every = 5  # learner.checkpoint_every of this run
     extra = {"learner": ["--set", "learner.max_steps=100000", "--set", "model.pretrain_steps=100",
-                         "--set", "learner.checkpoint_every=5"],
+                         "--set", f"learner.checkpoint_every={every}", "--set",
+                         "learner.lease_s=3"],
              "rollout-0": ["--set", "model.pretrain_steps=100"]}  # fmt: skip
+
+    def start(name: str, log_name: str) -> subprocess.Popen[bytes]:
+        cmd, env = local(services[name], tmp_path, redis_url, redis_prefix, ports)
+        log = (tmp_path / f"{log_name}.log").open("wb")
+        return subprocess.Popen([*cmd, *extra.get(name, [])], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
     try:
         for name in ("api", "learner", "rollout-0"):
-            cmd, env = local(services[name], tmp_path, redis_url, redis_prefix, ports)
-            log = (tmp_path / f"{name}.log").open("wb")
-            procs[name] = subprocess.Popen([*cmd, *extra.get(name, [])], cwd=ROOT, env=env,
-                                           stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)  # fmt: skip
+            procs[name] = start(name, name)
         listed = list(procs.items())
         api = f"http://127.0.0.1:{ports[8080]}"
         wait_for(lambda: get(f"{api}/readyz") == 200, 60, "the API", listed)
@@ -210,6 +233,35 @@ def test_compose_services_run_as_local_processes(tmp_path, redis_url, redis_pref
                        .status_code == 200 and (r.json().get("step") or 0) >= 3 and r.json(),
                        240, "3 updates", listed)  # fmt: skip
         assert run["phase"] == "running" and len(run["workers"]) == 1
+        # The learner killed mid-run (a container's SIGKILL: the parent and its rank), then
+        # started again with the same command, as the restart policy does: it resumes from
+        # its latest checkpoint, within one checkpoint interval of where it was.
+        jsonl = tmp_path / "runs" / "composed" / "learner.jsonl"
+        wait_for(lambda: len(read_jsonl(jsonl)) > every + 2, 120, "a checkpoint", listed)
+        os.killpg(procs["learner"].pid, signal.SIGKILL)
+        procs["learner"].wait(30)
+        killed_at = read_jsonl(jsonl)[-1]["policy_version"]
+        lease = lease_key(redis_prefix, "composed")
+        others = [(n, p) for n, p in listed if n != "learner"]
+        phases_while(lambda: get_key(redis_url, lease) is None, api, auth, 30, others)
+        assert httpx.get(f"{api}/v1/runs/composed", headers=auth).json()["phase"] == "failed"
+        procs["learner"] = start("learner", "learner-restarted")
+        listed = list(procs.items())
+        restarted = tmp_path / "learner-restarted.log"
+        seen = phases_while(lambda: "resumed at step" in restarted.read_text(), api, auth, 180,
+                            listed)  # fmt: skip
+        resumed_at = int(
+            re.findall(r"resumed at step (\d+) from checkpoint", restarted.read_text())[0]
+        )
+        # (its last update's checkpoint may be on disk before its line in learner.jsonl)
+        assert resumed_at % every == 0 and killed_at - every < resumed_at <= killed_at + 1
+
+        def step() -> int:
+            return httpx.get(f"{api}/v1/runs/composed", headers=auth).json().get("step") or 0
+
+        seen += phases_while(lambda: step() > resumed_at, api, auth, 120, listed)
+        # The API said the learner was starting, never that the run had failed, once started.
+        assert "starting" in seen and "failed" not in seen[seen.index("starting") :], seen
         r = httpx.patch(f"{api}/v1/runs/composed/hparams", json={"lr": 1e-4}, headers=auth)
         assert r.status_code == 202
         wait_for(lambda: any(row.get("lr") == 1e-4 for row in
@@ -218,7 +270,8 @@ def test_compose_services_run_as_local_processes(tmp_path, redis_url, redis_pref
         assert httpx.post(f"{api}/v1/runs/composed/stop", headers=auth).status_code == 202
         for name in ("learner", "rollout-0"):
             procs[name].wait(180)
-            assert procs[name].returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+            log_name = "learner-restarted" if name == "learner" else name
+            assert procs[name].returncode == 0, (tmp_path / f"{log_name}.log").read_text()[-3000:]
         final = httpx.get(f"{api}/v1/runs/composed", headers=auth).json()
         assert final["phase"] == "stopped" and final["workers"] == []
     finally:
@@ -230,6 +283,16 @@ def test_compose_services_run_as_local_processes(tmp_path, redis_url, redis_pref
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+def get_key(url: str, key: str) -> bytes | None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return client.get(key)
+    finally:
+        client.close()
 
 
 def test_redis_requires_the_password_everyone_uses():

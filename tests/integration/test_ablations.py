@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.ablations import ABLATIONS, main, run_ablation
-from services.cli import _parser
+from services.cli_args import build_parser
 
 TINY = (
     "model.pretrain_steps=20",
@@ -58,8 +58,8 @@ def test_rounds_ablation_counts_rounds_and_seconds_to_the_threshold(tmp_path):
 
 
 def test_cli_refuses_bad_arguments(capsys):
-    args = _parser().parse_args(["ablate", "beta", "--seeds", "0"])
+    args = build_parser().parse_args(["ablate", "beta", "--seeds", "0"])
     assert main(args) == 2
     assert "--seeds" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        _parser().parse_args(["ablate", "nope"])
+        build_parser().parse_args(["ablate", "nope"])

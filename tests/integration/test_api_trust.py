@@ -73,6 +73,22 @@ def test_installed_modules_off_the_list_are_refused_unimported_and_unprobed(clie
     assert r.status_code == 201, r.text
 
 
+def test_a_loss_by_import_path_is_refused_unimported(client):
+    """``algo.name`` may name a loss class by import path for ``reval train``; over REST only the
+    built-in losses are taken (a loss is learner code), and nothing is imported."""
+    sys.modules.pop("antigravity", None)
+    algo = {"name": "antigravity:Loss", "policy": "off"}
+    body = {"config": {"name": "lossy", "task": {"dataset": "org/data"}, "algo": algo},
+            "start": False}  # fmt: skip
+    r = client.post("/v1/runs", json=body, headers=AUTH)
+    assert r.status_code == 422, r.text
+    (problem,) = r.json()["detail"]
+    assert problem["loc"][-2:] == ["algo", "name"] and "not taken over REST" in problem["msg"]
+    assert "antigravity" not in sys.modules
+    body["config"]["algo"] = {"name": "tbrm"}
+    assert client.post("/v1/runs", json=body, headers=AUTH).status_code == 201
+
+
 def test_listed_plugins_are_checked_in_a_throwaway_process_with_no_secret(
     api_cfg, monkeypatch, tmp_path
 ):

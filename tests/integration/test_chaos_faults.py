@@ -12,7 +12,7 @@ import pytest
 
 from buffer.records import RecordError, RecordLimits, Trajectory, decode_many, encode
 from buffer.redis_ring import RedisRing, RingCorrupt
-from learner.service import main
+from learner.ranks import main
 from reval.config import build_config
 
 VOCAB = 99  # the tiny model's

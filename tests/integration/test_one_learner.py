@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from reval.control import LeaseHeld, RunLease, lease_key
+from reval.control import LeaseHeld, RunControl, RunLease, lease_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,3 +168,31 @@ def test_the_learner_ranks_store_listens_on_master_addr_only(monkeypatch):
         socket.create_connection(("127.0.0.2", port), timeout=2).close()
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     assert process_group_store(dt.timedelta(seconds=5)) is None  # (torchrun's agent hosts it)
+
+
+def test_a_learner_that_lost_its_lease_leaves_the_run_status_alone(
+    tmp_path, redis_url, redis_prefix, client
+):
+    """A learner whose lease another learner took over stops without writing the run's status:
+    ``stopped`` over the new learner's status sent that learner's workers away and told the API
+    the run had stopped."""
+    key = lease_key(redis_prefix, "one")
+    first = _learner(tmp_path, redis_url, redis_prefix)
+    try:
+        deadline = time.monotonic() + 120
+        while client.get(key) is None:
+            assert first.poll() is None, first.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the learner never took its lease"
+            time.sleep(0.2)
+        time.sleep(3)  # (into its loop: waiting for data)
+        control = RunControl(client, redis_prefix, "one")
+        client.set(key, json.dumps({"host": "elsewhere", "pid": 7}), px=60_000)
+        control.publish_status({"phase": "running", "step": 999, "updates": 999})
+        _, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.communicate()
+    assert "lease went to another learner" in err, err[-3000:]
+    st = RunControl(client, redis_prefix, "one").read_status()
+    assert (st.phase, st.step) == ("running", 999), err[-3000:]

@@ -19,7 +19,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from buffer.base import SampleTimeout
+from buffer.base import SampleTimeout, Sampling
 from buffer.metrics import BufferMetrics
 from buffer.records import RecordError, encode
 from buffer.redis_ring import RedisRing
@@ -54,6 +54,8 @@ class OwnRedis:
         self.dir = tmp
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.extra: list[str] = []
+        """More redis-server arguments (``--enable-protected-configs yes``: CONFIG SET dir)."""
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -71,6 +73,7 @@ class OwnRedis:
                 "everysec",
                 "--save",
                 "",
+                *self.extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -154,7 +157,7 @@ def test_redis_restart_mid_stream_loses_nothing(own_redis):
     report = json.loads(out.strip().splitlines()[-1])
     assert report["max_spooled"] > 0 and report["left"] == 0 and report["dropped"] == 0
     assert report["errors"] > 0
-    assert "Redis call failed" in err  # a clear log line
+    assert "Redis is away or refuses writes" in err  # a clear log line
     assert "error" not in got and len(got["batch"]) == 16  # type: ignore[arg-type]
     ids = [t.traj_id for t in learner.items()]
     assert ids == [f"r-{i:06d}" for i in range(1500)]
@@ -231,7 +234,11 @@ def test_a_producer_may_start_before_redis(own_redis):
 
 
 def test_a_restarted_learner_finds_the_buffer_intact(redis_url, redis_prefix):
-    kw = {"url": redis_url, "key_prefix": redis_prefix, "samples_per_insert": 2.0}
+    kw = {
+        "url": redis_url,
+        "key_prefix": redis_prefix,
+        "sampling": Sampling(samples_per_insert=2.0),
+    }
     first = RedisRing("run", 8, seed=1, **kw)
     first.insert([make_traj(i, version=i) for i in range(10)])
     first.sample(8)
@@ -308,7 +315,8 @@ def test_bad_record_message_names_it(redis_url, redis_prefix):
 
 
 def test_keys_live_under_the_prefix_only(redis_url, redis_prefix):
-    buf = RedisRing("k", 10, url=redis_url, key_prefix=redis_prefix, prioritized=True)
+    buf = RedisRing("k", 10, url=redis_url, key_prefix=redis_prefix,
+                    sampling=Sampling(prioritized=True))  # fmt: skip
     buf.insert([make_traj(0)])
     keys = {k.decode() for k in buf.client.scan_iter(match=redis_prefix + "*")}
     k = ring_keys(redis_prefix, "k")
@@ -492,3 +500,28 @@ def test_a_worker_and_the_learner_each_hold_one_half(redis_url, redis_prefix):
     assert [t.traj_id for t in consumer.items()] == ["t2", "t3", "t4", "t5"]
     producer.close()
     consumer.close()
+
+
+def test_a_prioritized_service_run_samples_what_its_workers_insert(redis_url, redis_prefix):
+    """``buffer.prioritized`` in the service: the worker's producer (``make_producer``) and the
+    learner's consumer (``make_consumer``) are built apart from one config; the producer gave
+    new records no priority (it was built without the flag), so the learner never got a batch:
+    "fewer than 8 trajectories with a priority" (found in review; ``reval train`` was fine: its
+    one ring holds both halves)."""
+    from buffer import make_consumer, make_producer
+    from reval.config import load_config
+
+    cfg = load_config(overrides=["buffer.backend=redis", "buffer.prioritized=true",
+                                 f"redis.url={redis_url}", f"redis.prefix={redis_prefix}",
+                                 "buffer.capacity=64", "learner.batch_size=8"],
+                      environ={})  # fmt: skip
+    consumer = make_consumer(cfg.buffer, "prio", reset=True, redis=cfg.redis)
+    producer = make_producer(cfg.buffer, "prio", cfg.redis)
+    try:
+        producer.insert([make_traj(i) for i in range(16)])
+        batch = consumer.sample(8, timeout=5)
+        assert len(batch.trajectories) == 8 and len(set(batch.traj_ids)) == 8
+        assert batch.weights is not None and (batch.weights > 0).all()
+    finally:
+        producer.close()
+        consumer.close()

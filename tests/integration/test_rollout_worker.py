@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -572,11 +573,22 @@ def test_scale_puts_the_youngest_workers_on_standby(tmp_path, redis_url, redis_p
     def wait(cond, what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while not cond():
-            assert time.monotonic() < deadline, what
+            assert time.monotonic() < deadline, f"{what}: {where()}"
             time.sleep(0.1)
 
+    def where() -> str:  # (what a timeout says: the young worker's state and its thread's stack)
+        frame = sys._current_frames().get(run.ident or -1)
+        stack = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "(ended)"
+        peers = [(w["id"], w.get("status")) for w in registry.workers(client, redis_prefix, "w")]
+        return (f"status {young.status!r}, standby {young.standby}, paused {young.paused}, "
+                f"batches {young.stats.batches}, records {young_records()}, peers {peers}, "
+                f"desired {control.read().workers}, thread:\n{stack}")  # fmt: skip
+
     def young_records() -> int:
-        return sum(t.worker_id == "w-young" for t in ring.items())
+        """Records the young worker has pushed: the ring's running count, not what it holds (the
+        young worker fills its 5,000 places in a second or two: a count of the records held
+        stopped growing, and the take-over was never seen)."""
+        return ring.stats().inserted  # (the old worker generates nothing: see the end)
 
     run = threading.Thread(target=young.run, daemon=True)
     run.start()
@@ -598,6 +610,7 @@ def test_scale_puts_the_youngest_workers_on_standby(tmp_path, redis_url, redis_p
         old._deregister()
         wait(lambda: young_records() > held, "the standby worker taking over")
         assert status() == "running"
+        assert {t.worker_id for t in ring.items()} == {"w-young"}
     finally:
         young.stop.set()
         run.join(timeout=60)

@@ -264,22 +264,29 @@ def test_hostile_completions_score_zero_or_honest_and_leave_nothing(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_a_grading_process_killed_mid_answer_leaves_nothing():
+def test_a_grading_process_killed_mid_answer_leaves_nothing(tmp_path):
     """The pool's deadline kills the grading process (SIGKILL) while the code still runs:
     ``--die-with-parent`` and the pid namespace take the whole sandbox with it."""
-    marker = f"reval-hostile-{secrets.token_hex(6)}"
+    # (an identifier: "reval-hostile-..." = 1 was a SyntaxError, so the code never looped and its
+    # sandbox lived a fraction of a second, which a busy machine's poll could miss: CI failures)
+    marker = f"reval_hostile_{secrets.token_hex(6)}"
+    code = f"{marker} = 1\\nwhile True:\\n    pass\\n"
     grader = (
         "from rollout import graders, sandbox\n"
         "sandbox.preflight('bwrap')\n"
-        f"graders.run_tests('{marker} = 1\\nwhile True:\\n    pass\\n', ['assert 0'], 30.0)\n"
+        f"print(graders.run_tests('{code}', ['assert 0'], 30.0))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", grader])
+    said = tmp_path / "grader.out"  # (what the grader says if it ends before its sandbox is seen)
+    with said.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", grader], stdout=out, stderr=out)
     try:
-        deadline = time.monotonic() + 20
-        while not processes_with("_hide()") and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while (not processes_with("_hide()") and proc.poll() is None
+               and time.monotonic() < deadline):  # fmt: skip
             time.sleep(0.05)
         sandboxed = [p for p in processes_with("_hide()") if p != proc.pid]
-        assert sandboxed, "the sandbox never started"
+        why = f"grader exit {proc.poll()}: {said.read_text()}"
+        assert sandboxed, f"the sandbox never started ({why})"
     finally:
         proc.kill()
         proc.wait(timeout=10)

@@ -30,8 +30,8 @@ from buffer.redis_ring import RedisRing
 from reval.config import TinyModelConfig
 from reval.policy import build_char_tokenizer, build_tiny_model
 from reval.weights.files import save_tensors
-from rollout.engines import SamplingParams
-from rollout.streaming import Finished, Group, Streamer, group_records
+from rollout.engines import Finished, SamplingParams
+from rollout.streaming import Group, Streamer, group_records
 from rollout.tasks import Prompt
 from rollout.vllm_engine import VLLMEngine, streaming_engine_kwargs
 

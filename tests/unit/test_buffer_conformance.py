@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -10,17 +11,24 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from buffer.base import ReplayBuffer, SampleTimeout, importance_weights, priority_of
+from buffer.base import ReplayBuffer, SampleTimeout, Sampling, importance_weights, priority_of
 from buffer.metrics import BufferMetrics
 from buffer.records import RecordError
 from buffer.ring import MemoryRing
 from tests.conftest import make_traj
 
 
+def _sampling(kw: dict) -> dict:
+    """The ring's keyword arguments with the sampler's settings as one ``Sampling``."""
+    fields = {f.name for f in dataclasses.fields(Sampling)}
+    mine = {k: kw.pop(k) for k in list(kw) if k in fields}
+    return {**kw, "sampling": Sampling(**mine)}
+
+
 @pytest.fixture(params=["memory", "redis"])
 def make_buffer(request):
     if request.param == "memory":
-        return lambda capacity, seed=0, **kw: MemoryRing(capacity, seed=seed, **kw)
+        return lambda capacity, seed=0, **kw: MemoryRing(capacity, seed=seed, **_sampling(kw))
     from buffer.redis_ring import RedisRing
 
     url = request.getfixturevalue("redis_url")
@@ -29,7 +37,8 @@ def make_buffer(request):
 
     def make(capacity, seed=0, **kw):
         made[0] += 1
-        return RedisRing(f"run{made[0]}", capacity, url=url, key_prefix=prefix, seed=seed, **kw)
+        return RedisRing(f"run{made[0]}", capacity, url=url, key_prefix=prefix, seed=seed,
+                         **_sampling(kw))  # fmt: skip
 
     return make
 

@@ -57,6 +57,8 @@ def without_the_gpus(service: dict) -> dict:
     out["command"] = [c.replace("r1_distill_qwen_1p5b.toml", "demo.toml") for c in out["command"]]
     if "REVAL__LEARNER__WORLD_SIZE" in out.get("environment", {}):
         out["environment"] = {**out["environment"], "REVAL__LEARNER__WORLD_SIZE": "1"}
+    if "REVAL__LAUNCH__WORKERS" in out.get("environment", {}):  # (the CPU stack's 3 workers)
+        out["environment"] = {**out["environment"], "REVAL__LAUNCH__WORKERS": "3"}
     return out
 
 
@@ -102,6 +104,10 @@ def test_each_gpu_goes_to_one_service(layout: Layout):
     assert services["learner"]["environment"]["REVAL__LEARNER__WORLD_SIZE"] == str(
         layout.learner_gpus
     )
+    # The run's desired worker count is the file's rollout services (the API's
+    # reval_api_run_workers_desired: a killed one fires RevalWorkersBelowDesired).
+    rollouts = [n for n in services if n.startswith("rollout-")]
+    assert services["learner"]["environment"]["REVAL__LAUNCH__WORKERS"] == str(len(rollouts))
     workers = [n for n in services if n.startswith("rollout-")]
     assert len(workers) == layout.gpus - layout.learner_gpus - layout.eval_gpus
     assert ("eval" in services) == (layout.eval_gpus > 0)

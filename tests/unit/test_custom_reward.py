@@ -1,6 +1,6 @@
 """Custom rewards by import path (issue 28): how a reward function is called and what it may
 return (rollout/rewards.py), its failures scored 0 and counted in the one grading pool
-(rollout/verify.py), the load-time checks naming task.reward (reval/paths.py), and the prompt
+(rollout/grading_pool.py), the load-time checks naming task.reward (reval/paths.py), and the prompt
 field (strings and chat messages)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 
 from reval.config import ConfigError, load_config
 from reval.paths import RewardNotFound, check_reward, check_run_paths
+from rollout.grading_pool import VerifierPool
 from rollout.rewards import CustomTask, RewardFunction, read_prompts, to_graded
 from rollout.task_types import Prompt
-from rollout.verify import VerifierPool
 
 ROOT = Path(__file__).resolve().parents[2]
 

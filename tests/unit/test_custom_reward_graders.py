@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from reval.paths import check_reward
+from rollout.grading_pool import VerifierPool
 from rollout.rewards import RewardFunction
 from rollout.task_types import Prompt
-from rollout.verify import VerifierPool
 
 
 def grade(spec: str, completions: list[str], metadata: dict, **kwargs):

@@ -11,7 +11,7 @@ import yaml
 
 from reval.config import ApiConfig, load_config
 from rollout.eval_sets import BENCHMARKS
-from services.cli import _parser
+from services.cli_args import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def docs(path: Path) -> list[dict]:
 
 def parse(command: list[str]):
     assert command[0] == "reval", command
-    args = _parser().parse_args(command[1:])
+    args = build_parser().parse_args(command[1:])
     if getattr(args, "config", None):
         args.config = args.config.replace("/app/configs", str(ROOT / "configs"))
         load_config(args.config, args.overrides, environ={})  # raises on a bad field

@@ -156,3 +156,29 @@ def test_the_api_and_the_control_hash_refuse_the_same_values(live_run, body):
     for side in (api_side, direct):  # what each hash holds now includes this request
         held = side.read().hparams
         assert held.merged(typed) == held and isinstance(held, LiveHParams)
+
+
+def test_live_k_and_staleness_reach_the_rings_sampling() -> None:
+    """``UpdateStep.apply`` changes the consumer's ``Sampling`` (the one object both backends
+    sample by): the limiter lets more through at once, and -1 turns staleness off."""
+    from types import SimpleNamespace
+
+    from buffer.base import SampleTimeout, Sampling
+    from buffer.ring import MemoryRing
+    from learner.step import UpdateStep
+    from reval.config import load_config
+    from tests.conftest import make_traj
+
+    cfg = load_config(overrides=["buffer.samples_per_insert=1", "buffer.max_staleness=2"],
+                      environ={})  # fmt: skip
+    ring = MemoryRing(64, sampling=Sampling.of(cfg.buffer))
+    ring.insert([make_traj(i) for i in range(8)])
+    ring.sample(8)
+    with pytest.raises(SampleTimeout, match="rate limited"):  # K = 1: 8 sampled of 8 inserted
+        ring.sample(8)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 1.0}])
+    learner = SimpleNamespace(algo=SimpleNamespace(beta=0.1), optimizer=optimizer)
+    step = UpdateStep(learner, cfg, ring)  # type: ignore[arg-type]
+    step.apply(LiveHParams(samples_per_insert=2.0, max_staleness=-1))
+    assert ring.sampling.samples_per_insert == 2.0 and ring.sampling.max_staleness is None
+    assert len(ring.sample(8).trajectories) == 8  # K = 2 now

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from reval.config import load_config
-from services.cli import _parser
+from services.cli_args import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reproduce-paper.md"
@@ -33,7 +33,7 @@ def test_every_reval_command_of_the_guide_parses_and_its_config_loads():
     found = commands(DOC.read_text())
     assert {w[1] for w in found} >= {"runs", "eval"}, found
     for words in found:
-        args = _parser().parse_args(words[1:])
+        args = build_parser().parse_args(words[1:])
         if getattr(args, "config", None):
             load_config(str(ROOT / args.config), args.overrides, environ={})
 

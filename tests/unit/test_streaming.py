@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from reval.config import RunConfig
-from rollout.engines import Sample, SamplingParams
-from rollout.streaming import Finished, Group, Streamer, group_records
+from rollout.engines import Finished, Sample, SamplingParams
+from rollout.streaming import Group, Streamer, group_records
 from rollout.tasks import Prompt
 
 N = 2

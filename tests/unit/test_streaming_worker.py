@@ -21,8 +21,7 @@ from reval.policy import build_char_tokenizer
 from reval.weights.files import WeightStore
 from reval.weights.receiver import LocalReceiver
 from rollout import worker as worker_module
-from rollout.engines import Sample, SamplingParams
-from rollout.streaming import Finished
+from rollout.engines import Finished, Sample, SamplingParams
 from tests.conftest import announce_weights
 
 
@@ -41,10 +40,20 @@ class Engine:
         self.requests: dict[str, tuple[int, list[list[tuple[int, int]]]]] = {}
         self.paused = False
         self.submitted = 0
+        self.device = torch.device("cpu")
+        self.closed = False
 
     def _load(self, named: object, version: int) -> None:
         list(named)  # type: ignore[call-overload]
         self.policy_version = version
+
+    load_weights = _load
+
+    def generate(self, prompts: object, params: SamplingParams, seed: int) -> list[list[Sample]]:
+        raise NotImplementedError("this fake answers only step by step (a streaming worker's)")
+
+    def close(self) -> None:
+        self.closed = True
 
     def submit(self, key: str, prompt: Sequence[int], params: SamplingParams, seed: int) -> None:
         self.submitted += 1  # (lengths 4, 17, 30, ...: groups finish apart, the engine stays busy)
@@ -120,6 +129,7 @@ def test_a_streaming_worker_deals_grades_inserts_and_loads_in_flight(
         RunControl(redis.Redis.from_url(redis_url), redis_prefix, "sw").set_phase("stopping")
         runner.join(30)
         assert not runner.is_alive()
+        assert engine.closed  # (the worker's end releases its engine)
     finally:
         w.stop.set()
         runner.join(30)

@@ -1,4 +1,5 @@
-"""rollout.verify: math-verify grading, the worker pool's timeouts, crashes and threads.
+"""Math grading (rollout/math_grading.py) and the grading pool (rollout/grading_pool.py,
+grading_worker.py): math-verify grading, the worker pool's timeouts, crashes and threads.
 
 One pool for the module (workers start in ~0.5 s each). The pathological answer is
 ``3^{1000000000}`` against a gold ``2``: sympy's ``Integer._eval_power`` computes 3**10**9 exactly;
@@ -21,13 +22,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rollout.verify import (
-    MathVerify,
-    VerifierPool,
-    choice_letter,
-    clean_gold,
-    last_boxed_answer,
-)
+from rollout.grading_pool import VerifierPool
+from rollout.math_grading import MathVerify, choice_letter, clean_gold, last_boxed_answer
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG = "\\boxed{3^{1000000000}}"  # against gold "2"
@@ -355,7 +351,7 @@ def test_workers_die_with_the_parent() -> None:
     script = textwrap.dedent(
         """
         import os, signal, sys
-        from rollout.verify import VerifierPool
+        from rollout.grading_pool import VerifierPool
         if __name__ == "__main__":
             pool = VerifierPool(workers=2)
             assert pool.wait_ready(60)

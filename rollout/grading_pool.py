@@ -1,30 +1,16 @@
-"""Math answers graded for equivalence with math-verify, in a pool of worker processes.
+"""The grading pool: a ``PoolGrader`` (``rollout/grading_worker.py``; ``MathVerify`` by default,
+``rollout/math_grading.py``) in a pool of worker processes. ``reval train``, the rollout workers
+and ``reval eval`` all grade through ``PooledVerifier``/``VerifierPool``; a custom task's reward
+function (``rollout/rewards.py``: ``RewardFunction``) grades in the same processes, under the
+same deadline, with the same accounting.
 
-``MathVerify`` is the grading function: the last ``\\boxed{...}`` of a response against the gold
-answer. It is the one grader of math answers: ``reval train``, the rollout workers and
-``reval eval`` all grade through ``PooledVerifier``/``VerifierPool``. The pool runs any
-``PoolGrader``: a custom task's reward function (``rollout/rewards.py``: ``RewardFunction``)
-grades in the same processes, under the same deadline, with the same accounting.
-
-Cheap decisions come first and need no sympy (no box: 0; require_think without ``</think>``: 0; the
-normalized strings equal, ``normalize_answer``: 1; multiple choice: letters compared); the rest goes
-through math-verify's ``parse`` and ``verify`` (gold and answer both read as ``\\boxed{...}`` LaTeX;
-math-verify's defaults: numbers rounded to 6 places, strict variables, ``x = 3`` read as ``3``
-against a gold ``3``).
-
-math-verify bounds its own work with ``signal.alarm``: it only works on a process's main thread
-(elsewhere ``parse``/``verify`` raise ``ValueError``) and its ``TimeoutException`` is a
-``BaseException``. ``VerifierPool`` therefore grades in the main thread of worker processes
-(``spawn`` context), each looping over tasks read from its pipe, with math-verify's alarms set so
-that hard inputs give up quickly; the pool's dispatcher thread keeps a deadline per answer and
-SIGKILLs and replaces a worker that passes it (math-verify's alarms are per call and in whole
-seconds, and cannot stop C code that does not return to the interpreter). Such an answer scores 0
-and counts as an error; a caller never waits on a stuck worker. Any thread may call
-``score``/``score_many``; answers are graded in arrival order.
-
-Workers import this module only (math-verify and sympy, about 0.5 s), not torch. ``spawn`` also
-imports the parent's ``__main__`` module in each worker (as multiprocessing always does), so a
-script that builds a pool keeps its work under ``if __name__ == "__main__":``.
+math-verify's timeouts (``signal.alarm``) work only on a process's main thread, so
+``VerifierPool`` grades in the main thread of worker processes (``spawn`` context), each looping
+over tasks read from its pipe (``grading_worker.worker_main``); the pool's dispatcher thread
+keeps a deadline per answer and SIGKILLs and replaces a worker that passes it (math-verify's
+alarms are per call and in whole seconds, and cannot stop C code that does not return to the
+interpreter). Such an answer scores 0 and counts as an error; a caller never waits on a stuck
+worker. Any thread may call ``score``/``score_many``; answers are graded in arrival order.
 
 Metrics (``prometheus_client``, on the registry given to the pool or one of its own):
 
@@ -33,7 +19,9 @@ Metrics (``prometheus_client``, on the registry given to the pool or one of its 
 | ``reval_verifier_answers_total`` | counter | answers graded (every path) |
 | ``reval_verifier_fast_path_total`` | counter | answers decided without a worker |
 | ``reval_verifier_errors_total{reason}`` | counter | ``timeout`` (math-verify's alarm or the
-  pool's deadline), ``crash`` (a worker died), ``error`` (an exception while grading),
+  pool's deadline), ``memory`` (over ``rollout.grading_memory_mb``: a MemoryError, or the
+  worker killed by the kernel's OOM killer, ``oom_kills``), ``crash`` (a
+  worker died), ``error`` (an exception while grading),
   ``too_long`` (boxed answer over ``max_answer_chars``), ``startup`` (a worker failed to start),
   ``not_a_number`` (a reward that is no number, or a dict without a numeric ``score``),
   ``not_finite`` (a NaN or infinite reward) |
@@ -46,11 +34,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import itertools
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -60,355 +46,25 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
 
-from reval.procs import follow_parent
+from reval.procs import kill_group
+from rollout.grading_worker import (
+    ERROR_REASONS,
+    REWARD_REASONS,
+    Graded,
+    PoolGrader,
+    oom_kills,
+    worker_main,
+)
+from rollout.math_grading import MathVerify
 
 if TYPE_CHECKING:
     from rollout.task_types import Prompt
 
 log = logging.getLogger("reval.verify")
-
-REWARD_REASONS = ("not_a_number", "not_finite")
-"""What a custom reward function returned that is not a reward (``rollout/rewards.py``)."""
-ERROR_REASONS = ("timeout", "crash", "error", "too_long", "startup", *REWARD_REASONS)
-
-# -- extraction (pure string work, no sympy) -------------------------------------------------------
-
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)")
-
-
-def last_boxed_answer(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (brace-matched), ``\\boxed 5`` (up to
-    the next ``$`` or white space) too; None when there is none or the last one is not closed."""
-    matches = list(_BOX_RE.finditer(text))
-    if not matches:
-        return None
-    i = matches[-1].end()
-    j = i
-    while j < len(text) and text[j] in " \t":
-        j += 1
-    if j < len(text) and text[j] == "{":
-        depth = 0
-        for k in range(j, len(text)):
-            c = text[k]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[j + 1 : k]
-        return None
-    if j > i and j < len(text):  # "\boxed 5$": a single token
-        m = re.match(r"[^\s$]+", text[j:])
-        return m.group(0) if m else None
-    return None
-
-
-def clean_gold(gold: str) -> str:
-    """The gold answer as LaTeX: inside its last ``\\boxed{}`` when it has one, ``$`` stripped."""
-    g = str(gold).strip()
-    if _BOX_RE.search(g):
-        g = last_boxed_answer(g) or g
-    g = g.strip()
-    while len(g) >= 2 and g[0] == "$" and g[-1] == "$":
-        g = g[1:-1].strip()
-    return g
-
-
-_TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm|mathbf|textrm|mbox)\s*\{([^{}]*)\}")
-_CHOICE_RE = re.compile(r"\(([A-Za-z])\)(?:\s+.*)?|([A-Za-z])[).:](?:\s+.*)?|([A-Za-z])", re.S)
-
-
-def choice_letter(answer: str, choices: str = "ABCD") -> str | None:
-    """The option letter of a multiple-choice answer (``B``, ``(B)``, ``B)``, ``\\text{B}``,
-    ``(B) 42``), upper case; None when the answer is not one of ``choices``."""
-    s = answer.strip().replace("$", "")
-    for _ in range(3):  # \textbf{\text{B}}
-        s = _TEXT_WRAP.sub(r"\1", s)
-    s = s.replace("\\left", "").replace("\\right", "").replace("\\,", " ").strip()
-    m = _CHOICE_RE.fullmatch(s)
-    if m is None:
-        return None
-    letter = next(g for g in m.groups() if g).upper()
-    return letter if letter in choices.upper() else None
-
-
-_SPACES = re.compile(r"\s+")
-
-
-def normalize_answer(ans: str) -> str:
-    """A boxed answer as a plain string for the fast path: spaces, ``\\left``/``\\right``,
-    degree signs, dollars and a final dot dropped, ``\\dfrac``/``\\tfrac`` read as ``\\frac``,
-    ``10.0`` read as ``10``."""
-    s = _SPACES.sub("", ans)
-    for a, b in (
-        ("\\dfrac", "\\frac"),
-        ("\\tfrac", "\\frac"),
-        ("\\left", ""),
-        ("\\right", ""),
-        ("^{\\circ}", ""),
-        ("^\\circ", ""),
-        ("\\$", ""),
-        ("$", ""),
-        ("\\!", ""),
-    ):
-        s = s.replace(a, b)
-    s = s.rstrip(".")
-    if re.fullmatch(r"-?\d+\.0+", s):
-        s = s.split(".")[0]
-    return s
-
-
-class Precheck(NamedTuple):
-    """What a grader's ``precheck`` decided in the caller's process: a ``score``, or (``score``
-    None) the answer goes to a worker with ``pred`` (math: the extracted boxed answer)."""
-
-    score: float | None
-    pred: str | None = None
-    reason: str | None = None
-    """An error reason (``ERROR_REASONS``) when the answer was refused."""
-
-
-class Graded(NamedTuple):
-    """One answer graded in a worker: its score, the error reason that made it 0 (None when it
-    was graded), a detail for the log, and the named components of a custom reward."""
-
-    score: float
-    reason: str | None = None
-    detail: str = ""
-    components: dict[str, float] | None = None
-
-
-class PoolGrader(Protocol):
-    """What ``VerifierPool`` runs (``MathVerify``, ``rewards.RewardFunction``); picklable, sent
-    to each worker process once. An item is the tuple a caller hands ``score_many``."""
-
-    batched: bool
-    """True: the answers of one ``score_many`` call go to the workers in chunks (one chunk per
-    worker, deadline ``timeout`` times its size); False: one answer per task."""
-
-    def item(self, prompt: Prompt, response: str, finish_reason: str = "stop") -> tuple[Any, ...]:
-        """The item grading ``response`` to ``prompt`` needs (``finish_reason``: ``stop`` or
-        ``length``, the answer cut at the token limit)."""
-        ...
-
-    def precheck(self, *item: Any) -> Precheck:
-        """The caller's side: a decision without a worker, or what goes to one."""
-        ...
-
-    def grade_many(self, work: Sequence[tuple[tuple[Any, ...], str | None]]) -> list[Graded]:
-        """The worker's side: ``(item, pred)`` pairs graded, in order (main thread)."""
-        ...
-
-    def warm_up(self) -> None:
-        """Load what the first answer would (a worker's start)."""
-        ...
-
-
-# -- math-verify, in the main thread of a process ------------------------------------------------
-
-
-def _is_timeout(err: BaseException) -> bool:
-    return type(err).__name__ == "TimeoutException"
-
-
-@functools.lru_cache(maxsize=1)
-def _configs() -> tuple[Any, Any, Any]:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig  # type: ignore[import-untyped]
-
-    latex = LatexExtractionConfig(boxed_match_priority=0)
-    return latex, ExprExtractionConfig(), [latex]
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse_gold(gold: str, parsing_timeout: int) -> tuple[Any, ...]:
-    """Gold answers repeat (n samples per prompt): parsed once per worker. Timeouts and errors
-    raise, so they are not cached."""
-    from math_verify import parse  # type: ignore[import-untyped]
-
-    latex, expr, _ = _configs()
-    return tuple(
-        parse(
-            f"\\boxed{{{gold}}}",
-            extraction_config=[latex, expr],
-            parsing_timeout=parsing_timeout,
-            raise_on_error=True,
-        )
-    )
-
-
-@dataclass(frozen=True)
-class MathVerify:
-    """Grades the last boxed answer of a response against a gold answer (1.0 or 0.0).
-
-    ``require_think``: DeepScaleR's rule for thinking models (``deepscaler/rewards/
-    math_reward.py``, ``RewardMathFn.__call__``): the decoded prompt + response must hold
-    ``<think>`` and ``</think>`` (else 0), and only ``text.split("</think>")[1]`` is graded, the
-    text between the first ``</think>`` and the next one, if any. The ``r1_distill`` template
-    ends the prompt with ``<think>`` (``math_task.format_prompt``), so the response needs
-    ``</think>``. ``multiple_choice``: the
-    boxed answer is an option letter of ``choices`` (``B``, ``(B)``, ``B)``, ``\\text{B}``),
-    compared with the gold letter case-insensitively; sympy is not used. ``parsing_timeout`` and
-    ``verify_timeout`` are math-verify's own alarms (whole seconds; per parse, per comparison).
-
-    ``grade``/``score`` run math-verify in this process: main thread only (math-verify's alarm);
-    from other threads use ``VerifierPool``.
-    """
-
-    require_think: bool = False
-    multiple_choice: bool = False
-    batched = False  # (a class attribute: one answer per task)
-    choices: str = "ABCD"
-    parsing_timeout: int = 1
-    verify_timeout: int = 2
-    float_rounding: int = 6
-    max_answer_chars: int = 2000
-
-    def extract(self, response: str) -> str | None:
-        """The answer to grade: the last boxed content (with require_think, of the text between
-        the first ``</think>`` and the next one, as DeepScaleR grades)."""
-        if self.require_think:
-            parts = response.split("</think>")
-            if len(parts) < 2:
-                return None
-            response = parts[1]
-        return last_boxed_answer(response)
-
-    def precheck(self, gold: str, response: str) -> Precheck:
-        """Everything that needs no sympy. Raises ValueError for a multiple-choice gold answer
-        that is not a letter of ``choices`` (a data error, not a wrong answer)."""
-        pred = self.extract(response)
-        if self.multiple_choice:
-            g = choice_letter(clean_gold(gold), self.choices)
-            if g is None:
-                raise ValueError(
-                    f"multiple-choice gold answer {gold!r} is not one of {self.choices}"
-                )
-            if pred is None:
-                return Precheck(0.0)
-            return Precheck(1.0 if choice_letter(pred, self.choices) == g else 0.0)
-        if pred is None or not pred.strip():
-            return Precheck(0.0)
-        if normalize_answer(pred) == normalize_answer(clean_gold(gold)):
-            return Precheck(1.0)
-        if len(pred) > self.max_answer_chars:
-            return Precheck(0.0, reason="too_long")
-        return Precheck(None, pred=pred)
-
-    def equivalent(self, gold: str, pred: str) -> bool:
-        """math-verify's equivalence of a boxed answer and the gold answer.
-
-        Raises math-verify's ``TimeoutException`` (a ``BaseException``) when one of its alarms
-        fires, and whatever else parsing or comparing raised when no comparison succeeded.
-        """
-        self._check_thread()
-        from math_verify import parse, verify  # type: ignore[import-untyped]
-
-        _, _, pred_config = _configs()
-        golds = _parse_gold(clean_gold(gold), self.parsing_timeout)
-        if not golds:
-            return False
-        preds = parse(
-            f"\\boxed{{{pred}}}",
-            extraction_config=pred_config,
-            parsing_timeout=self.parsing_timeout,
-            raise_on_error=True,
-        )
-        failure: BaseException | None = None
-        for g, p in itertools.product(golds, preds):
-            try:
-                if verify(
-                    g,
-                    p,
-                    float_rounding=self.float_rounding,
-                    timeout_seconds=self.verify_timeout,
-                    raise_on_error=True,
-                ):
-                    return True
-            except Exception as err:
-                failure = failure or err
-            except BaseException as err:
-                if not _is_timeout(err):
-                    raise
-                failure = failure or err
-        if failure is not None:
-            raise failure
-        return False
-
-    def _check_thread(self) -> None:
-        # Raised, never caught into a 0 score: that would silently fail every answer.
-        if (self.parsing_timeout or self.verify_timeout) and (
-            threading.current_thread() is not threading.main_thread()
-        ):
-            raise RuntimeError(
-                "math-verify's timeouts use signal.alarm and only work on the main thread; "
-                "grade through VerifierPool"
-            )
-
-    def grade_extracted(self, gold: str, pred: str) -> tuple[float, str | None, str]:
-        """(score, error reason or None, detail) of an extracted answer, grading exceptions
-        caught: what a worker runs. Raises RuntimeError off the main thread."""
-        self._check_thread()
-        try:
-            return (1.0 if self.equivalent(gold, pred) else 0.0), None, ""
-        except Exception as err:
-            return 0.0, "error", f"{type(err).__name__}: {err}"[:500]
-        except BaseException as err:
-            if _is_timeout(err):
-                return 0.0, "timeout", "math-verify timeout"
-            raise
-
-    def item(self, prompt: Prompt, response: str, finish_reason: str = "stop") -> tuple[str, str]:
-        return (prompt.answer, response)
-
-    def grade_many(self, work: Sequence[tuple[tuple[Any, ...], str | None]]) -> list[Graded]:
-        """``((gold, response), pred)`` pairs: each extracted answer against its gold."""
-        return [Graded(*self.grade_extracted(item[0], str(pred))) for item, pred in work]
-
-    def grade(self, gold: str, response: str) -> float:
-        """Reward of ``response`` against ``gold``, graded in this process (main thread)."""
-        pre = self.precheck(gold, response)
-        if pre.score is not None:
-            return pre.score
-        assert pre.pred is not None
-        return self.grade_extracted(gold, pre.pred)[0]
-
-    def score(self, prompt: Prompt, response: str) -> float:
-        return self.grade(prompt.answer, response)
-
-    def warm_up(self) -> None:
-        """Loads math-verify's parser (the first parse costs ~0.1 s)."""
-        with contextlib.suppress(Exception):
-            self.equivalent("\\frac{1}{2}", "0.5")
-
-
-# -- worker process -------------------------------------------------------------------------------
-
-
-def _worker_main(conn: Connection, grader: PoolGrader) -> None:
-    """A worker's main thread: ``(task_id, [(item, pred), ...])`` in, ``(task_id, [Graded,
-    ...])`` out; ``None`` or EOF ends it."""
-    # Ends with the pool's process (or, under forkserver, the server that forked it), even by
-    # SIGKILL and while sympy is busy; an idle worker also ends on its pipe's EOF.
-    follow_parent(os.getppid(), signal.SIGKILL, what="grading worker")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    for name in ("math_verify", "latex2sympy2_extended"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    grader.warm_up()
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        task_id, work = msg
-        conn.send((task_id, grader.grade_many(work)))
-
 
 # -- the pool ------------------------------------------------------------------------------------
 
@@ -495,9 +151,11 @@ class VerifierPool:
 
     Implements ``Verifier`` (``score``), ``score_many([item, ...])`` (math: ``(gold, response)``)
     and ``grade_many`` (the same with each answer's ``Graded``); all may be called from any
-    number of threads. An answer that passes its deadline scores 0, its worker is SIGKILLed and
-    replaced; an answer whose worker dies scores 0. Raises RuntimeError when the pool is closed,
-    or when workers repeatedly fail to start (``max_start_failures`` in a row).
+    number of threads. An answer that passes its deadline scores 0, its worker is SIGKILLed (with
+    its process group: what it started) and replaced; an answer whose worker dies scores 0.
+    ``memory_mb``: each worker's data memory cap (``cap_memory``; None: none). Raises
+    RuntimeError when the pool is closed, or when workers repeatedly fail to start
+    (``max_start_failures`` in a row).
     """
 
     def __init__(
@@ -509,6 +167,7 @@ class VerifierPool:
         mp_context: str = "spawn",
         start_timeout: float = 60.0,
         max_start_failures: int = 3,
+        memory_mb: int | None = None,
     ) -> None:
         import importlib.util
 
@@ -527,6 +186,8 @@ class VerifierPool:
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.max_start_failures = max_start_failures
+        self.memory_mb = memory_mb
+        """Each grading process's memory cap in MiB (``rollout.grading_memory_mb``; None: none)."""
         self.metrics = VerifierMetrics(registry)
         self._ctx: Any = get_context(mp_context)
         self._lock = threading.Lock()
@@ -538,6 +199,7 @@ class VerifierPool:
         self._ids = itertools.count(1)
         self._start_failures = 0
         self._warned: set[str] = set()  # error reasons logged once as a warning
+        self._oom_kills = oom_kills()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._workers: list[_Worker] = []  # the dispatcher's own
@@ -724,8 +386,8 @@ class VerifierPool:
     def _spawn(self) -> None:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
-            target=_worker_main,
-            args=(child_conn, self.grader),
+            target=worker_main,
+            args=(child_conn, self.grader, self.memory_mb),
             name="verifier-worker",
             daemon=True,
         )
@@ -789,14 +451,21 @@ class VerifierPool:
         self._finish(w, [Graded(0.0, reason, detail)] * len(w.task.indices))
 
     def _died(self, w: _Worker, reason: str) -> None:
-        """A worker is gone (crash or failed start): its answer scores 0."""
+        """A worker is gone (crash or failed start): its answer scores 0. One SIGKILLed by the
+        kernel's OOM killer (``oom_kills`` went up) counts as ``memory``."""
         if w.dead:
             return
+        if reason == "crash":
+            w.proc.join(timeout=0.5)  # (its pipe closes a moment before it can be reaped)
+            kills, self._oom_kills = self._oom_kills, oom_kills()
+            if w.proc.exitcode == -signal.SIGKILL and (kills or 0) < (self._oom_kills or 0):
+                reason = "memory"
         self._kill(w)
         if w.task is not None:
-            self._fail_task(w, "crash", f"worker {w.pid} died")
-        elif reason == "crash" and w.ready:
-            self.metrics.errors.labels("crash").inc()
+            detail = "killed (out of memory?)" if reason == "memory" else "died"
+            self._fail_task(w, reason, f"worker {w.pid} {detail}")
+        elif reason in ("crash", "memory") and w.ready:
+            self.metrics.errors.labels(reason).inc()
         if not w.ready:
             w.proc.join(timeout=0.5)
             self.metrics.errors.labels("startup").inc()
@@ -812,10 +481,13 @@ class VerifierPool:
                 self._fail_all(err)
 
     def _kill(self, w: _Worker) -> None:
+        """SIGKILL the worker and everything it started (its process group: ``own_group``)."""
         w.dead = True
         if w.proc.is_alive():
             with contextlib.suppress(OSError):
                 w.proc.kill()
+        if w.proc.pid is not None:
+            kill_group(w.proc.pid)
         with self._lock:
             if w.pid in self._pids:
                 self._pids.remove(w.pid)
@@ -838,6 +510,8 @@ class VerifierPool:
         if w.proc.is_alive():
             w.proc.kill()
             w.proc.join(timeout=1.0)
+        if w.proc.pid is not None:
+            kill_group(w.proc.pid)  # (what it started; its guard does the same)
         w.conn.close()
 
 
@@ -855,11 +529,14 @@ class PooledVerifier:
         workers: int = 2,
         timeout: float = 5.0,
         registry: CollectorRegistry | None = None,
+        memory_mb: int | None = None,
     ) -> None:
         self.grader = grader
         self.workers = workers
         self.timeout = timeout
         self.registry = registry
+        self.memory_mb = memory_mb
+        """Each grading process's memory cap in MiB (``rollout.grading_memory_mb``; None: none)."""
         self._pool: VerifierPool | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -876,8 +553,9 @@ class PooledVerifier:
                 raise RuntimeError("verifier pool is closed")
             if self._pool is None:
                 self._pool = VerifierPool(
-                    self.grader, workers=self.workers, timeout=self.timeout, registry=self.registry
-                )
+                    self.grader, workers=self.workers, timeout=self.timeout,
+                    registry=self.registry, memory_mb=self.memory_mb,
+                )  # fmt: skip
             return self._pool
 
     def score(self, prompt: Prompt, response: str) -> float:
