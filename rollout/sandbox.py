@@ -41,7 +41,9 @@ every wait after it has a timeout. The rule for the grading pool: the sandbox's 
 ``MARGIN_S`` must fit in ``rollout.verifier_timeout_s``, the deadline after which the pool
 kills the grading process (``check_deadline``), so the sandbox always finishes and cleans up
 first; and if the pool kills the grading process anyway, ``--die-with-parent`` still ends the
-sandbox.
+sandbox, and so does the lifeline ``run`` starts before every harness (``LIFELINE``: once the
+report channel has no reader, the harness ends itself, and with it, pid 1, the namespace), which
+also covers the milliseconds before bwrap arms ``--die-with-parent``.
 
 ``preflight(mode)`` is called once when grading starts (the worker or ``reval train``, and each
 grading process): where bubblewrap cannot run (not installed, or user namespaces refused) it
@@ -157,6 +159,28 @@ def _hide():
         raise OSError("prctl(PR_SET_DUMPABLE)")
 '''
 """Source of ``_hide()``, which a harness calls first."""
+
+LIFELINE = r'''
+def _lifeline(fd):
+    """A thread that ends everything here once the caller is gone: the report channel's write
+    end (``fd``) polls POLLERR when its only reader, the grading process, has died (its
+    descriptor is closed to every other process). pid 1's exit ends its namespace; the
+    ``killpg`` is for ``unsafe-none``, where the harness leads its own session."""
+    import os, select, signal, threading
+    def watch():
+        p = select.poll()
+        p.register(fd, 0)
+        while not p.poll():
+            pass
+        try:
+            os.killpg(0, signal.SIGKILL)
+        finally:
+            os._exit(70)
+    threading.Thread(target=watch, daemon=True).start()
+'''
+"""Source of ``_lifeline(fd)``, which ``run`` puts before every harness: ``--die-with-parent``
+alone leaves a window (bwrap arms it some milliseconds after it starts, so a grading process
+killed in between would leave a sandbox running to its CPU limit, or forever if it sleeps)."""
 
 
 def set_mode(mode: str) -> None:
@@ -289,8 +313,9 @@ def run(harness: str, payload: bytes, limits: Limits) -> Outcome:
             cwd, argv = None, _bwrap_argv(shutil.which("bwrap") or "bwrap", limits)
         read_end, write_end = os.pipe()
         try:
+            tethered = f"{LIFELINE}\n_lifeline({write_end})\n{harness}"
             proc = subprocess.Popen(
-                [*argv, "-c", harness],
+                [*argv, "-c", tethered],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

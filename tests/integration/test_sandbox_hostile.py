@@ -17,12 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import redis
-
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/ensure_tools.sh)"
-)
 
 ADD = "def add(a, b):\n    return a + b\n"
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
@@ -264,21 +259,24 @@ def test_hostile_completions_score_zero_or_honest_and_leave_nothing(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_a_grading_process_killed_mid_answer_leaves_nothing(tmp_path):
-    """The pool's deadline kills the grading process (SIGKILL) while the code still runs:
-    ``--die-with-parent`` and the pid namespace take the whole sandbox with it."""
+def kill_a_grader_mid_answer(
+    tmp_path: Path, env: dict[str, str] | None = None, mode: str = "bwrap"
+) -> None:
+    """Start a grading process on code that loops for ever (CPU limit 30 s), SIGKILL it as soon
+    as its sandbox shows (which may be bwrap before it has armed ``--die-with-parent``: the
+    window the lifeline closes), then expect every process of that sandbox gone within 10 s."""
     # (an identifier: "reval-hostile-..." = 1 was a SyntaxError, so the code never looped and its
     # sandbox lived a fraction of a second, which a busy machine's poll could miss: CI failures)
     marker = f"reval_hostile_{secrets.token_hex(6)}"
     code = f"{marker} = 1\\nwhile True:\\n    pass\\n"
     grader = (
         "from rollout import graders, sandbox\n"
-        "sandbox.preflight('bwrap')\n"
+        f"sandbox.preflight('{mode}')\n"
         f"print(graders.run_tests('{code}', ['assert 0'], 30.0))\n"
     )
     said = tmp_path / "grader.out"  # (what the grader says if it ends before its sandbox is seen)
     with said.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", grader], stdout=out, stderr=out)
+        proc = subprocess.Popen([sys.executable, "-c", grader], stdout=out, stderr=out, env=env)
     try:
         deadline = time.monotonic() + 60
         while (not processes_with("_hide()") and proc.poll() is None
@@ -290,8 +288,39 @@ def test_a_grading_process_killed_mid_answer_leaves_nothing(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=10)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while processes_with("_hide()") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert processes_with("_hide()") == []
     assert processes_with("_confine(") == []
+
+
+def test_a_grading_process_killed_mid_answer_leaves_nothing(tmp_path):
+    """The pool's deadline kills the grading process (SIGKILL) while the code still runs:
+    ``--die-with-parent``, the lifeline and the pid namespace take the whole sandbox with it."""
+    kill_a_grader_mid_answer(tmp_path)
+
+
+def test_the_lifeline_alone_ends_a_sandbox_whose_grader_was_killed(tmp_path):
+    """A bwrap that never arms ``--die-with-parent`` (a shim drops it: what a grading process
+    killed in bwrap's first milliseconds meets) still leaves nothing: the harness sees its report
+    channel lose its reader and ends its namespace. Before the lifeline the sandbox ran on to
+    its 30 s CPU limit (CI: a harness outlived its killed grader by 38 s)."""
+    real = shutil.which("bwrap")
+    assert real, "bubblewrap is not installed (scripts/ensure_tools.sh installs it)"
+    shim = tmp_path / "bin" / "bwrap"
+    shim.parent.mkdir()
+    shim.write_text(
+        "#!/bin/sh\n"
+        'for a; do shift; [ "$a" = --die-with-parent ] || set -- "$@" "$a"; done\n'
+        f'exec {real} "$@"\n'
+    )
+    shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"}
+    kill_a_grader_mid_answer(tmp_path, env)
+
+
+def test_unsafe_none_a_killed_grader_leaves_nothing_either(tmp_path):
+    """``unsafe-none`` has no pid namespace and no ``--die-with-parent``: the lifeline kills the
+    harness's session (the harness and the solution's process) when the grader dies."""
+    kill_a_grader_mid_answer(tmp_path, mode="unsafe-none")
