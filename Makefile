@@ -21,7 +21,7 @@ PEERS_VENV := .venv-peers
 PEERS_BIN := $(PEERS_VENV)/bin
 PEERS_STAMP := $(PEERS_VENV)/.installed
 # The torch-free packages that mypy checks strictly.
-LIGHT := reval/config.py reval/paths.py reval/rewards.py reval/metrics.py buffer
+LIGHT := reval/config reval/paths.py reval/rewards.py reval/metrics.py buffer
 
 .PHONY: demo test test-vllm test-floors lint unit venv venv-vllm venv-floors clean oneshot ablations
 

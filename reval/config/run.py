@@ -33,7 +33,7 @@ from pydantic import (
 from reval.run_dir import RunDir
 
 ENV_PREFIX = "REVAL__"
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "demo.toml"
 
 
