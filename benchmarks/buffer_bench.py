@@ -7,7 +7,7 @@ For 2 KB records (256 tokens: prompt 64 + response 192) and 40 KB records (5,000
   validation, then one MULTI/EXEC per chunk: an HSET of the records to a stage hash and the
   INSERT script, which gives them positions and renames the stage into the ring), records/s and
   MB/s;
-- encode-only / decode-only: ``buffer.records.encode_many`` / ``decode_many`` alone on one core
+- encode-only / decode-only: ``buffer.record_codec.encode_many`` / ``decode_many`` alone on one core
   in batches of 1024, the client's share of an insert / a sample;
 - sample: ``RedisRing.sample(B)`` repeated (the O(1) SAMPLE script, B positions drawn by the
   client, one MULTI/EXEC of an HMGET per chunk touched and a BITFIELD of the use counts, then
@@ -57,7 +57,8 @@ import redis
 
 from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
-from buffer.records import Trajectory, decode_many, encode_many
+from buffer.record_codec import decode_many, encode_many
+from buffer.records import Trajectory
 from buffer.redis_ring import RedisRing
 from reval.redis import ring_keys
 

@@ -16,7 +16,8 @@ from buffer.base import (
     Sampling,
 )
 from buffer.metrics import BufferMetrics
-from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory, decode, encode
+from buffer.record_codec import decode, encode
+from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory
 from buffer.ring import MemoryRing
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ import numpy as np
 
 from buffer import resp
 from buffer.base import FreshRun, pick_fresh
-from buffer.records import RecordError, RecordLimits, Trajectory, decode_many
+from buffer.record_codec import decode_many
+from buffer.records import RecordError, RecordLimits, Trajectory
 from buffer.redis_layout import TAKEN, RingLayout
 
 log = logging.getLogger("reval.buffer")

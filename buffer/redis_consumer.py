@@ -28,7 +28,8 @@ from buffer.base import (
     pick_fresh,
     priority_of,
 )
-from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory, decode_many
+from buffer.record_codec import decode_many
+from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory
 from buffer.redis_chunks import ChunkReader, apply_ref, pack_ref
 from buffer.redis_layout import TAKEN, OnLayout, RingLayout
 

@@ -35,14 +35,8 @@ from redis.exceptions import ExecAbortError, NoScriptError
 
 from buffer import resp
 from buffer.base import BufferUnavailable
-from buffer.records import (
-    NO_LIMITS,
-    RecordError,
-    RecordLimits,
-    Trajectory,
-    decode_many,
-    encode_many,
-)
+from buffer.record_codec import decode_many, encode_many
+from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory
 from buffer.redis_layout import OnLayout, RingCorrupt, RingLayout
 from buffer.redis_lua import INSERT
 from reval.procs import pid_alive

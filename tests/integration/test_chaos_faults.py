@@ -10,7 +10,8 @@ import signal
 import numpy as np
 import pytest
 
-from buffer.records import RecordError, RecordLimits, Trajectory, decode_many, encode
+from buffer.record_codec import decode_many, encode
+from buffer.records import RecordError, RecordLimits, Trajectory
 from buffer.redis_ring import RedisRing, RingCorrupt
 from learner.ranks import main
 from reval.config import build_config

@@ -14,15 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from buffer.records import (
-    SCHEMA_VERSION,
-    WIRE_FIELDS,
-    RecordError,
-    RecordLimits,
-    Trajectory,
-    decode,
-    encode,
-)
+from buffer.record_codec import decode, encode
+from buffer.records import SCHEMA_VERSION, WIRE_FIELDS, RecordError, RecordLimits, Trajectory
 from buffer.redis_ring import RedisRing
 from learner.service import MAX_FAILED_BATCHES, LearnerService
 from reval.config import build_config

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from buffer.base import SampleTimeout, Sampling
 from buffer.metrics import BufferMetrics
-from buffer.records import RecordError, encode
+from buffer.record_codec import encode
+from buffer.records import RecordError
 from buffer.redis_ring import RedisRing
 from reval.redis import ring_keys
 from tests.conftest import make_traj

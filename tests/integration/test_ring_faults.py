@@ -12,7 +12,8 @@ import pytest
 
 from buffer.base import SampleTimeout
 from buffer.metrics import BufferMetrics
-from buffer.records import RecordError, RecordLimits, decode_many, encode
+from buffer.record_codec import decode_many, encode
+from buffer.records import RecordError, RecordLimits
 from buffer.redis_ring import RedisRing, RingCorrupt
 from buffer.ring import MemoryRing
 from tests.conftest import make_traj

@@ -13,16 +13,8 @@ import pytest
 import torch
 
 import learner.sequence as sequence
-from buffer.records import (
-    OLD_SCHEMA_VERSION,
-    WIRE_FIELDS,
-    RecordError,
-    Trajectory,
-    decode,
-    decode_many,
-    encode,
-    encode_many,
-)
+from buffer.record_codec import decode, decode_many, encode, encode_many
+from buffer.records import OLD_SCHEMA_VERSION, WIRE_FIELDS, RecordError, Trajectory
 from learner.losses import grpo_loss, value_loss
 from learner.sequence import collate, make_batch, policy_stats
 from reval.config import TinyModelConfig

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from buffer.record_codec import decode, decode_many, encode, encode_many
 from buffer.records import (
     SCHEMA_VERSION,
     WIRE_FIELDS,
@@ -17,10 +18,6 @@ from buffer.records import (
     RecordError,
     Trajectory,
     WireKind,
-    decode,
-    decode_many,
-    encode,
-    encode_many,
     pack_wire,
 )
 from reval.rewards import transform_rewards
@@ -328,10 +325,12 @@ def test_every_declared_field_travels():
 
 
 def _records_module_with(extra: str) -> dict[str, object]:
-    """buffer/records.py's namespace, compiled afresh with one more field declared last."""
+    """buffer/records.py's namespace, compiled afresh with one more field declared last, with
+    buffer/record_codec.py's compiled afresh over it (``encode``, ``decode``, ...)."""
     import sys
     import types
 
+    import buffer.record_codec
     import buffer.records
 
     source = Path(buffer.records.__file__).read_text()
@@ -339,12 +338,17 @@ def _records_module_with(extra: str) -> dict[str, object]:
     assert anchor in source
     name = "records_with_extra"
     module = types.ModuleType(name)
-    sys.modules[name] = module  # dataclasses look their module up
+    sys.modules[name] = module  # dataclasses look their module up; the codec imports it
     try:
         exec(compile(source.replace(anchor, anchor + extra), name, "exec"), module.__dict__)
+        codec = Path(buffer.record_codec.__file__).read_text()
+        assert "from buffer.records import" in codec
+        codec = codec.replace("from buffer.records import", f"from {name} import")
+        namespace = dict(module.__dict__)
+        exec(compile(codec, f"{name}_codec", "exec"), namespace)
     finally:
         del sys.modules[name]
-    return module.__dict__
+    return namespace
 
 
 def test_a_field_added_to_the_declaration_travels_without_other_edits():

@@ -20,7 +20,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from buffer.records import encode_many
+from buffer.record_codec import encode_many
 from buffer.redis_layout import RingLayout
 from buffer.redis_producer import RedisProducer, _claim_name
 from tests.conftest import make_traj

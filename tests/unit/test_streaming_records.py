@@ -8,16 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from buffer.records import (
-    SPANLESS_SCHEMA_VERSION,
-    WIRE_FIELDS,
-    RecordError,
-    Trajectory,
-    decode,
-    decode_many,
-    encode,
-    encode_many,
-)
+from buffer.record_codec import decode, decode_many, encode, encode_many
+from buffer.records import SPANLESS_SCHEMA_VERSION, WIRE_FIELDS, RecordError, Trajectory
 
 
 def record(spans: list[int] | None = None, version: int = 3) -> Trajectory:
