@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class CreateRun(BaseModel):
-    """A run from a config: the same tree as a TOML file (``reval/config.py``)."""
+    """A run from a config: the same tree as a TOML file (``reval/config/``)."""
 
     model_config = ConfigDict(extra="forbid")
     config: dict[str, Any] = Field(default_factory=dict)
