@@ -86,7 +86,7 @@ def main() -> int:
     g, v = gen_s / args.rounds, verify_s / args.rounds
     print(f"| exact match (the demo's) | {per} | {v:.4f} | {g:.3f} | {v / (g + v):.1%} |")
     try:
-        from rollout.grading_pool import VerifierPool
+        from rollout.grading.pool import VerifierPool
     except ImportError as err:  # pragma: no cover - math-verify is a dependency
         print(f"math-verify pool not measured: {err}")
         return 0

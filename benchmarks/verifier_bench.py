@@ -1,5 +1,5 @@
-"""Hand-run benchmark of the math verifier (``rollout/math_grading.py``, graded in the pool of
-``rollout/grading_pool.py``).
+"""Hand-run benchmark of the math verifier (``rollout/grading/math_grading.py``, graded in the pool
+of ``rollout/grading/pool.py``).
 
 A round of the demo's shape (``--prompts`` 32 x ``--n`` 16 = 512 answers by default) of
 DeepScaleR-like answers: each prompt's gold answer is drawn from templates (fractions, integers,
@@ -40,8 +40,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rollout.grading_pool import VerifierPool
-from rollout.math_grading import MathVerify
+from rollout.grading.math_grading import MathVerify
+from rollout.grading.pool import VerifierPool
 
 Item = tuple[str, str]
 

@@ -7,9 +7,9 @@ path, the nearest existing one and what to do, never a minute of hub retries and
 
 ``task.reward`` names a function by import path (``package.module:function``) or by file
 (``path/to/file.py:function``), loaded by ``reval.plugins.load_object`` (``load_reward``: the config
-check here and the grading processes, ``rollout/rewards.py``); ``check_reward`` refuses, in one line
-naming the field, a path that does not import, a missing or uncallable name, or a function that
-cannot be called with the task's arguments.
+check here and the grading processes, ``rollout/grading/custom.py``); ``check_reward`` refuses, in
+one line naming the field, a path that does not import, a missing or uncallable name, or a function
+that cannot be called with the task's arguments.
 """
 
 from __future__ import annotations

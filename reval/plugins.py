@@ -8,6 +8,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,38 @@ def split_spec(spec: str, noun: str = "name", wildcard: bool = False) -> tuple[s
     """(module or file, attribute path) of ``spec``, the one parser of the form (a config's
     ``task.reward`` and ``task.environment``, the API's allowlist); ValueError when it is not
     of either form, in words naming what the field holds (``noun``: ``'package.module:noun'``).
-    ``wildcard``: ``module:*`` is a form too (an allowlist's entry)."""
+    ``wildcard``: ``module:*`` is a form too (an allowlist's entry). A module that moved
+    (``MOVED_MODULES``) comes back as its new path, with a FutureWarning."""
     module, colon, name = spec.strip().rpartition(":")
     named = bool(name) and all(p.isidentifier() for p in name.split("."))
     if not colon or not module or not (named or (wildcard and name == "*")):
         raise ValueError(f"{spec!r} is not 'package.module:{noun}' or 'path/to/file.py:{noun}'")
-    return module, name
+    return _moved(module, name), name
+
+
+MOVED_MODULES = {"rollout.graders": "rollout.grading.graders"}
+"""Modules a spec may still name by an old path: old -> where the module is now (the built-in
+graders moved into ``rollout/grading/`` in issue 40; old configs and requests keep working)."""
+
+
+def _moved(module: str, name: str) -> str:
+    """``module``, or where it moved (``MOVED_MODULES``) with a FutureWarning in one line."""
+    new = MOVED_MODULES.get(module)
+    if new is None:
+        return module
+    warnings.warn(
+        f"{module}:{name} is deprecated: the module is now {new} (write {new}:{name})",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return new
+
+
+def canonical_spec(spec: str) -> str:
+    """``spec`` as ``module:name`` spelled the current way (a moved module's new path, with
+    ``split_spec``'s warning): what to compare a spec with."""
+    module, name = split_spec(spec)
+    return f"{module}:{name}"
 
 
 def load_object(spec: str) -> Any:
@@ -82,11 +109,11 @@ def load_callable(spec: str, field: str) -> Any:
 
 
 BUILTIN_PLUGINS = tuple(
-    f"rollout.graders:{name}"
+    f"rollout.grading.graders:{name}"
     for name in ("math_boxed", "exact_match", "regex_format", "code_tests", "http_reward")
 )
 """What a REST client may always name by module (``task.reward``): the built-in graders (the
-table of ``rollout/graders.py``, by name: that module's helpers are not rewards). The API's
+table of ``rollout/grading/graders.py``, by name: that module's helpers are not rewards). The API's
 ``api.plugins`` adds to it; ``reval train`` and the CLI need no list."""
 
 

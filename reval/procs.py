@@ -63,7 +63,7 @@ def own_group() -> int:
     starts), has the kernel signal it when this process dies (``PR_SET_PDEATHSIG``; it also
     looks once a second) and kills the group. The guard holds no descriptor of this process's.
     Call it first thing in a process spawned for the purpose (the grading processes of
-    ``rollout/grading_worker.py``); ``kill_group`` is its owner's side. Returns the guard's pid."""
+    ``rollout/grading/process.py``); ``kill_group`` is its owner's side. Returns the guard's pid."""
     with contextlib.suppress(PermissionError):  # (already a group's leader: that group is ours)
         os.setsid()
     leader = os.getpid()

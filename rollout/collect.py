@@ -17,7 +17,7 @@ from reval.config import AlgoConfig
 from reval.rewards import RewardVariant, transform_rewards
 from rollout.engines import GenerationEngine, SamplingParams
 from rollout.environment import EpisodeRunner, skipped_counts
-from rollout.grading_pool import PooledVerifier
+from rollout.grading.pool import PooledVerifier
 from rollout.task_types import Prompt, Task, Verifier
 
 _NO_MASK = np.zeros(0, dtype=np.uint8)  # a single-turn answer: every token is an action

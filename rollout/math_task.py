@@ -3,7 +3,7 @@ paper's prompt templates, graded on the last ``\\boxed{}`` of the answer.
 
 The loader is the real one: a local JSONL or parquet file, or a dataset name through the
 ``datasets`` library. Answers are graded by math-verify in a process pool
-(``rollout/grading_pool.py``: ``PooledVerifier``), the same grader as the rollout workers' and
+(``rollout/grading/pool.py``: ``PooledVerifier``), the same grader as the rollout workers' and
 ``reval eval``'s.
 """
 
@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from reval.config import RolloutConfig, TaskConfig
 from reval.paths import check_dataset
-from rollout.grading_pool import PooledVerifier
-from rollout.math_grading import MathVerify
+from rollout.grading.math_grading import MathVerify
+from rollout.grading.pool import PooledVerifier
 from rollout.task_types import Prompt, Verifier
 from rollout.warm_start import WarmStart
 

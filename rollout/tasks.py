@@ -6,8 +6,8 @@
   hard/medium/easy problems have base success of about 0.10 / 0.40 / 0.68).
 
 A verifier maps (prompt, response text) to a reward in [0, 1]. The math task's (math-verify in a
-process pool, ``rollout/grading_pool.py``) and the custom task's (the user's reward function in
-the same pool, ``rollout/rewards.py``) implement the same protocol. ``Prompt``, ``Verifier`` and
+process pool, ``rollout/grading/pool.py``) and the custom task's (the user's reward function in the
+same pool, ``rollout/grading/custom.py``) implement the same protocol. ``Prompt``, ``Verifier`` and
 ``Task`` live in ``rollout/task_types.py`` (re-exported here).
 """
 
@@ -164,7 +164,7 @@ def build_task(
     rollout: RolloutConfig | None = None,
     registry: object | None = None,
 ) -> Task:
-    """The task the config names. A math or custom task (``rollout/rewards.py``) grades in a
+    """The task the config names. A math or custom task (``rollout/custom_task.py``) grades in a
     process pool sized by ``rollout`` (``verifier_workers``, ``verifier_timeout_s``), with its
     metrics on ``registry``."""
     if cfg.kind == "addition":
@@ -176,7 +176,7 @@ def build_task(
 
         return MathTask.from_config(cfg, tokenizer, rollout, registry)
     if cfg.kind == "custom":
-        from rollout.rewards import CustomTask
+        from rollout.custom_task import CustomTask
 
         return CustomTask.from_config(cfg, tokenizer, rollout, registry)
     raise ValueError(f"unknown task kind {cfg.kind!r}")

@@ -2,7 +2,7 @@
 # Make sure the operations tools the tests use are installed: promtool and prometheus (the
 # Debian package `prometheus`: metrics, config and rules checks, the scrape test) and
 # docker-compose (validates docker-compose.yml; no Docker engine needed) and bubblewrap (`bwrap`:
-# the sandbox model-written code runs in, rollout/sandbox.py). Installs them with
+# the sandbox model-written code runs in, rollout/grading/sandbox.py). Installs them with
 # apt-get when they are missing and this runs as root; fails loudly otherwise.
 set -euo pipefail
 missing=()

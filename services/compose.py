@@ -194,14 +194,14 @@ def _on_node(
 
 
 SANDBOX_SECURITY_OPT = ("seccomp=unconfined", "apparmor=unconfined")
-"""What a rollout worker needs for bubblewrap (rollout/sandbox.py, the sandbox model-written code
-runs in): Docker's default seccomp and AppArmor profiles refuse the user namespace and the
+"""What a rollout worker needs for bubblewrap (rollout/grading/sandbox.py, the sandbox model-written
+code runs in): Docker's default seccomp and AppArmor profiles refuse the user namespace and the
 mounts bwrap makes. (The sandbox mounts no /proc: under Docker's masked paths a new one needs
-``systempaths=unconfined``, which ``docker run`` takes but the engine refuses from a compose
-file.) No capability, not privileged: the sandbox itself holds the model code."""
+``systempaths=unconfined``, which ``docker run`` takes but the engine refuses from a compose file.)
+No capability, not privileged: the sandbox itself holds the model code."""
 SANDBOX_NOTE = [
-    "# Rollout workers run model-written code under bubblewrap (rollout/sandbox.py): they get",
-    "# security_opt seccomp and apparmor unconfined (Docker's defaults refuse the user",
+    "# Rollout workers run model-written code under bubblewrap (rollout/grading/sandbox.py):",
+    "# they get security_opt seccomp and apparmor unconfined (Docker's defaults refuse the user",
     "# namespace and the mounts bwrap makes); no capability, not privileged.",
 ]
 

@@ -181,8 +181,8 @@ def _evaluate_all(
     params: SamplingParams, bar: Any = None,
 ) -> dict[str, BenchmarkResult]:  # fmt: skip
     """Every benchmark, graded by the training verifier (a process pool per benchmark)."""
-    from rollout.grading_pool import VerifierPool
-    from rollout.math_grading import MathVerify
+    from rollout.grading.math_grading import MathVerify
+    from rollout.grading.pool import VerifierPool
 
     results: dict[str, BenchmarkResult] = {}
     require_think = cfg.task.template == "r1_distill"

@@ -28,7 +28,7 @@ def registries() -> dict[str, CollectorRegistry]:
     from learner.service import LearnerMetrics
     from learner.step import UpdateMetrics
     from reval.metrics import TrainMetrics
-    from rollout.grading_pool import VerifierMetrics
+    from rollout.grading.pool import VerifierMetrics
     from rollout.math_task import TaskMetrics
     from rollout.worker import RolloutMetrics
 

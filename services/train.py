@@ -87,7 +87,7 @@ def held_out_prompts(cfg: TaskConfig, tokenizer: Any) -> list[Prompt]:
     """The prompts of the dataset task ``cfg`` (its ``dataset`` is ``eval.dataset``), read by
     the task's own reader, graded by the training task's verifier."""
     if cfg.kind == "custom":
-        from rollout.rewards import read_prompts
+        from rollout.custom_task import read_prompts
 
         rows = read_rows(str(cfg.dataset), cfg.split, "eval.dataset")
         return read_prompts(rows, cfg.prompt_field, tokenizer, cfg.max_prompt_tokens,

@@ -511,12 +511,12 @@ def _check_user_code(run_cfg: RunConfig, api: ApiConfig) -> None:
     API's list (``reval.plugins.listed``: the
     built-in graders and ``api.plugins``), by a plain name (no dotted path); each then checked
     by ``reval.paths.check_isolated`` in a throw-away process (this process imports nothing a
-    client names). ``http_reward``'s URL and ``token_env`` are checked as the grading
-    processes will check them (``rollout.http_guard``). 422s, in lines that repeat nothing an
-    import said."""
+    client names). ``http_reward``'s URL and ``token_env`` are checked as the grading processes will
+    check them (``rollout.grading.http_guard``). 422s, in lines that repeat nothing an import
+    said."""
     from reval.config import BUILTIN_ALGORITHMS, BUILTIN_ENVIRONMENTS
     from reval.paths import check_isolated, reward_file
-    from reval.plugins import BUILTIN_PLUGINS, PluginRefused, listed, split_spec
+    from reval.plugins import BUILTIN_PLUGINS, PluginRefused, canonical_spec, listed, split_spec
 
     if run_cfg.algo.name not in BUILTIN_ALGORITHMS:  # (a loss is learner code: never over REST)
         raise _invalid(["body", "config", "algo", "name"],
@@ -536,7 +536,7 @@ def _check_user_code(run_cfg: RunConfig, api: ApiConfig) -> None:
             how = listed(spec, [*BUILTIN_PLUGINS, *api.plugins])
             if how is None:
                 raise _invalid(loc, f"task.{field}: {module}:{name} is not on this API's "
-                               "plugin list: the built-in graders (rollout.graders:NAME), "
+                               "plugin list: the built-in graders (rollout.grading.graders:NAME), "
                                "what the operator lists (api.plugins, reval serve --plugin), "
                                "or a file.py:name under its models_dir")  # fmt: skip
         args = task.reward_args if field == "reward" else None
@@ -544,17 +544,17 @@ def _check_user_code(run_cfg: RunConfig, api: ApiConfig) -> None:
             check_isolated(spec, f"task.{field}", args, own_names_only=how == "module")
         except PluginRefused as err:
             raise _invalid(loc, str(err)) from None
-    if task.reward is not None and task.reward.strip() == HTTP_REWARD:
+    if task.reward is not None and canonical_spec(task.reward) == HTTP_REWARD:
         _check_http_reward(task.reward_args, run_env(os.environ, api))
 
 
-HTTP_REWARD = "rollout.graders:http_reward"
+HTTP_REWARD = "rollout.grading.graders:http_reward"
 
 
 def _check_http_reward(args: dict[str, Any], env: dict[str, str]) -> None:
     """``reward_args.url`` and ``token_env`` as the run's grading processes will check them
     (the same functions, the environment the run will have)."""
-    from rollout.http_guard import RewardUrlRefused, check_target, check_token_env
+    from rollout.grading.http_guard import RewardUrlRefused, check_target, check_token_env
 
     try:
         check_token_env(args.get("token_env"), env)

@@ -239,7 +239,7 @@ def test_prometheus_scrapes_the_learner_and_both_workers(stack: Stack) -> None:
 # environment, which the probe first checks is there to be read outside the sandbox.
 SANDBOX_PROBE = r"""
 import json, os
-from rollout.graders import code_tests
+from rollout.grading.graders import code_tests
 assert "REVAL__REDIS__URL" in os.environ
 tests = {"tests": ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]}
 good = "def add(a, b):\n    return a + b\n"

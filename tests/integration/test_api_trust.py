@@ -64,12 +64,11 @@ def test_installed_modules_off_the_list_are_refused_unimported_and_unprobed(clie
     assert "antigravity" not in sys.modules  # refused by the list: never imported here
     assert client.get("/v1/runs/hostile").status_code == 404
     # The built-in graders by name: not the module's helpers, nothing it imports.
-    for spec in ("rollout.graders:os", "rollout.graders:subprocess", "rollout.graders:_HARNESS",
-                 "rollout.graders:os.system", "rollout.graders:json",
-                 "rollout.graders:run_tests"):  # fmt: skip
+    for name in ("os", "subprocess", "_HARNESS", "os.system", "json", "run_tests"):
+        spec = f"rollout.grading.graders:{name}"
         r = create(client, "hostile", {"reward": spec})
         assert r.status_code == 422, (spec, r.text)
-    r = create(client, "builtin", {"reward": "rollout.graders:exact_match"})
+    r = create(client, "builtin", {"reward": "rollout.grading.graders:exact_match"})
     assert r.status_code == 201, r.text
 
 
@@ -126,7 +125,7 @@ def test_http_reward_urls_and_token_envs_are_refused_at_create(client, monkeypat
     monkeypatch.delenv("REVAL_HTTP_REWARD_TOKEN_ENVS", raising=False)
 
     def post(**args):
-        task = {"reward": "rollout.graders:http_reward", "reward_args": args}
+        task = {"reward": "rollout.grading.graders:http_reward", "reward_args": args}
         return create(client, "http", task)
 
     cases = [
@@ -142,11 +141,16 @@ def test_http_reward_urls_and_token_envs_are_refused_at_create(client, monkeypat
         assert r.status_code == 422, (args, r.text)
         assert r.json()["detail"][0]["loc"][-2:] == ["reward_args", field], (args, r.text)
         assert "root:" not in r.text  # (no file content)
+    # The old spelling of the module (rollout.graders, before issue 40) is checked the same way.
+    old = {"reward": "rollout.graders:http_reward", "reward_args": {"url": "http://127.0.0.1:9/"}}
+    r = create(client, "http-old", old)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"][-2:] == ["reward_args", "url"], r.text
     r = post(url="https://93.184.215.14/score", token_env="REVAL_REWARD_KEY")
     assert r.status_code == 201, r.text
     # The operator lists an internal address: accepted.
     monkeypatch.setenv("REVAL_HTTP_REWARD_HOSTS", "10.0.0.0/8")
-    r = create(client, "http2", {"reward": "rollout.graders:http_reward",
+    r = create(client, "http2", {"reward": "rollout.grading.graders:http_reward",
                                  "reward_args": {"url": "http://10.0.0.5/score"}})  # fmt: skip
     assert r.status_code == 201, r.text
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout.grading_pool import VerifierPool
-from rollout.grading_worker import ERROR_REASONS
-from rollout.rewards import RewardFunction
+from rollout.grading.custom import RewardFunction
+from rollout.grading.pool import VerifierPool
+from rollout.grading.process import ERROR_REASONS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,8 +105,8 @@ def test_forked_children_end_when_their_grading_process_is_replaced(
 
 OWNER = """
 import os, signal, sys, time
-from rollout.rewards import RewardFunction
-from rollout.grading_pool import VerifierPool
+from rollout.grading.custom import RewardFunction
+from rollout.grading.pool import VerifierPool
 if __name__ == "__main__":
     spec, pidfile, how = sys.argv[1:]
     pool = VerifierPool(RewardFunction(spec), workers=2, timeout=20)
@@ -168,10 +168,10 @@ def test_a_grading_process_over_its_memory_cap_counts_as_memory(rewards: Path) -
 
 SANDBOXED = """
 import os, sys, threading, time
-from rollout.rewards import RewardFunction
-from rollout.grading_pool import VerifierPool
+from rollout.grading.custom import RewardFunction
+from rollout.grading.pool import VerifierPool
 if __name__ == "__main__":
-    grader = RewardFunction("rollout.graders:code_tests", {"timeout_s": 9.0}, timeout=10.0)
+    grader = RewardFunction("rollout.grading.graders:code_tests", {"timeout_s": 9.0}, timeout=10.0)
     pool = VerifierPool(grader, workers=1, timeout=10.0)
     assert pool.wait_ready(60)
     print(*pool.worker_pids, flush=True)
@@ -209,9 +209,9 @@ def _cmdline(pid: int) -> str:
 
 
 def test_model_code_in_the_sandbox_ends_with_the_pools_owner(tmp_path: Path) -> None:
-    """Model-written code (``rollout.graders:code_tests``: bubblewrap) running when the pool's
-    owner is SIGKILLed: the sandbox and everything in it are gone within seconds, well before its
-    own 9 s deadline."""
+    """Model-written code (``rollout.grading.graders:code_tests``: bubblewrap) running when the
+    pool's owner is SIGKILLed: the sandbox and everything in it are gone within seconds, well before
+    its own 9 s deadline."""
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SANDBOXED)], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:

@@ -1,5 +1,5 @@
 """The hostile-completion suite (issue 37): completions a reward-hacking or malicious model
-writes, graded by ``rollout.graders:code_tests`` through the real sandbox (bubblewrap, not a
+writes, graded by ``rollout.grading.graders:code_tests`` through the real sandbox (bubblewrap, not a
 mock). Each scores 0, or its honest score, and leaves no process, file or directory behind.
 
 One grading process (a fresh interpreter, with a secret in its environment) grades them all
@@ -28,7 +28,7 @@ MEMORY_CAP_MB = 64
 
 DRIVER = r"""
 import json, os, resource, sys, time
-from rollout import graders, sandbox
+from rollout.grading import graders, sandbox
 sandbox.preflight("bwrap")
 cases = json.loads(sys.stdin.read())
 out = {}
@@ -270,7 +270,7 @@ def kill_a_grader_mid_answer(
     marker = f"reval_hostile_{secrets.token_hex(6)}"
     code = f"{marker} = 1\\nwhile True:\\n    pass\\n"
     grader = (
-        "from rollout import graders, sandbox\n"
+        "from rollout.grading import graders, sandbox\n"
         f"sandbox.preflight('{mode}')\n"
         f"print(graders.run_tests('{code}', ['assert 0'], 30.0))\n"
     )

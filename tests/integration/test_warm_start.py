@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from reval.config import load_config
-from rollout.grading_pool import PooledVerifier
-from rollout.math_grading import MathVerify
+from rollout.custom_task import CustomTask
+from rollout.grading.math_grading import MathVerify
+from rollout.grading.pool import PooledVerifier
 from rollout.math_task import MathTask, answer_shape
-from rollout.rewards import CustomTask
 from services.cli import main
 
 REWARD = """

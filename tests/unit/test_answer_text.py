@@ -20,8 +20,8 @@ from reval.config import AlgoConfig, ModelConfig
 from reval.policy import QWEN_CHAT_TEMPLATE, build_char_tokenizer, load_policy
 from rollout.collect import Truncation, collect_round, score_all
 from rollout.engines import HFEngine, Sample, SamplingParams
-from rollout.math_grading import MathVerify
-from rollout.rewards import RewardFunction, takes_finish_reason
+from rollout.grading.custom import RewardFunction, takes_finish_reason
+from rollout.grading.math_grading import MathVerify
 from rollout.streaming import Group, group_records
 from rollout.task_types import Prompt
 from rollout.vllm_engine import VLLMEngine, sampling_kwargs
@@ -196,7 +196,7 @@ def test_a_reward_function_that_declares_finish_reason_receives_it(tmp_path):
         if name == "finish_aware":
             assert [g.components for g in graded] == [{"cut": 0.0}, {"cut": 1.0}]
     with pytest.raises(ValueError, match="finish reasons"):
-        from rollout.grading_pool import PooledVerifier
+        from rollout.grading.pool import PooledVerifier
 
         PooledVerifier(RewardFunction(f"{rewards}:plain")).score_many([(p, "x")], [])
     assert score_all(MathTask.verifier, [(Prompt("p", "q", "1"), "\\boxed{1}")], ["length"]) == [

@@ -2,10 +2,10 @@
 
 Every name the page puts in backticks that points into the repo is checked: a path whose first
 part is one of the repo's folders (``rollout/worker.py``, ``services/api/``, ``configs/*.toml``),
-a bare file name (``worker.py``; in the module table under its package's row, under a heading
-that names a folder, else at the repo's root), a dotted name under a package (``reval.retry``,
-``reval.answers.answer_text``, ``rollout.graders:code_tests``: the module, and the name in its
-source) or a config field (``rollout.max_inflight``, ``sync.every``). Every Redis key pattern
+a bare file name (``worker.py``; in the module table under its package's row, under a heading that
+names a folder, else at the repo's root), a dotted name under a package (``reval.retry``,
+``reval.answers.answer_text``, ``rollout.grading.graders:code_tests``: the module, and the name in
+its source) or a config field (``rollout.max_inflight``, ``sync.every``). Every Redis key pattern
 on the page is one that ``reval/redis.py`` builds, the builder its key table names exists, and
 every key ``reval/redis.py`` builds is in that table. Every module of the five packages is on the
 page (its own name, or its folder's: ``reval/weights/``). Every run-directory path of the page's
@@ -304,7 +304,7 @@ MADE_UP = """\
 
 `rollout/streaming.py`, `rollout/verify.py`, `reval.retry`, `reval.nowhere`,
 `reval.retry.no_such`, `rollout.max_inflight`, `rollout.no_such_field`,
-`rollout.graders:no_such`, `scripts/`, `deploy/no/`.
+`rollout.grading.graders:no_such`, `scripts/`, `deploy/no/`.
 
 | key (`reval/redis.py`) | type |
 |---|---|
@@ -321,8 +321,8 @@ MADE_UP = """\
 def test_the_check_names_what_does_not_exist() -> None:
     named = {line.split("`")[1] for line in problems(MADE_UP)}
     made_up = {"nowhere.py", "rollout/verify.py", "reval.nowhere", "reval.retry.no_such",
-               "rollout.no_such_field", "rollout.graders:no_such", "deploy/no/", "P{R}:nowhere",
-               "nowhere.json"}  # fmt: skip
+               "rollout.no_such_field", "rollout.grading.graders:no_such", "deploy/no/",
+               "P{R}:nowhere", "nowhere.json"}  # fmt: skip
     assert made_up <= named
     assert "P{R}:status" in named  # (built in reval/redis.py, left out of the made-up table)
     assert "rollout/dealer.py" in named  # (a module the made-up page leaves out)

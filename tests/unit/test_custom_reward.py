@@ -1,7 +1,7 @@
-"""Custom rewards by import path (issue 28): how a reward function is called and what it may
-return (rollout/rewards.py), its failures scored 0 and counted in the one grading pool
-(rollout/grading_pool.py), the load-time checks naming task.reward (reval/paths.py), and the prompt
-field (strings and chat messages)."""
+"""Custom rewards by import path (issue 28): how a reward function is called and what it may return
+(rollout/grading/custom.py; the task: rollout/custom_task.py), its failures scored 0 and counted in
+the one grading pool (rollout/grading/pool.py), the load-time checks naming task.reward
+(reval/paths.py), and the prompt field (strings and chat messages)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import pytest
 
 from reval.config import ConfigError, load_config
 from reval.paths import RewardNotFound, check_reward, check_run_paths
-from rollout.grading_pool import VerifierPool
-from rollout.rewards import CustomTask, RewardFunction, read_prompts, to_graded
+from rollout.custom_task import CustomTask, read_prompts
+from rollout.grading.custom import RewardFunction, to_graded
+from rollout.grading.pool import VerifierPool
 from rollout.task_types import Prompt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,7 +212,7 @@ def test_a_reward_makes_the_task_custom_and_a_custom_task_needs_its_parts(tmp_pa
         ("{file}:scroe", {}, r"task.reward: .* has no 'scroe'"),
         ("{file}:NOT_CALLABLE", {}, r"task.reward: .* is a int, not callable"),
         ("{file}:exact", {"unknown": 1}, r"task.reward: .* cannot be called as f\(prompt, "),
-        ("rollout.graders:regex_format", {}, r"missing a required argument: 'pattern'"),
+        ("rollout.grading.graders:regex_format", {}, r"missing a required argument: 'pattern'"),
     ],
     ids=[
         "bad-import-path",

@@ -168,8 +168,8 @@ def test_train_and_worker_grade_alike(tmp_path):
     """`reval train` (services/setup.py) and the rollout worker both take the task's verifier
     from ``build_task``; ``reval eval`` grades with ``MathVerify`` in a ``VerifierPool``. The same
     response earns the same reward from each."""
-    from rollout.grading_pool import VerifierPool
-    from rollout.math_grading import MathVerify
+    from rollout.grading.math_grading import MathVerify
+    from rollout.grading.pool import VerifierPool
 
     path = tmp_path / "data.jsonl"
     path.write_text("".join(

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rollout.graders import http_reward
-from rollout.http_guard import (
+from rollout.grading.graders import http_reward
+from rollout.grading.http_guard import (
     HOSTS_ENV,
     MAX_RESPONSE_BYTES,
     TOKEN_ENVS_ENV,

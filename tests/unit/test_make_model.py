@@ -99,7 +99,7 @@ def test_chat_templates(made: tuple[Path, Path]) -> None:
 
 
 def test_word_problems_schema_split_and_grading(made: tuple[Path, Path]) -> None:
-    from rollout.math_grading import MathVerify
+    from rollout.grading.math_grading import MathVerify
 
     data, _ = made
     train = list(read_rows(str(data / "train.jsonl")))
@@ -149,7 +149,7 @@ def test_make_model_pretrains_the_format(tmp_path: Path) -> None:
 def test_format_pretraining_teaches_the_shape_not_the_answer() -> None:
     import random
 
-    from rollout.math_grading import last_boxed_answer
+    from rollout.grading.math_grading import last_boxed_answer
     from rollout.math_task import MathTask, answer_shape
 
     rows = generate(6, seed=1)  # (30 problems: every pairing is graded by math-verify first)

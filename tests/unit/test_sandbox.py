@@ -1,7 +1,7 @@
-"""The sandbox seam's start-up rules (rollout/sandbox.py): code grading refuses to start, in one
-line, where bubblewrap cannot run; the explicit unsafe mode warns at every start and marks every
-answer; the sandbox's deadline must fit inside the grading pool's. The hostile completions are
-in tests/integration/test_sandbox_hostile.py."""
+"""The sandbox seam's start-up rules (rollout/grading/sandbox.py): code grading refuses to start, in
+one line, where bubblewrap cannot run; the explicit unsafe mode warns at every start and marks every
+answer; the sandbox's deadline must fit inside the grading pool's. The hostile completions are in
+tests/integration/test_sandbox_hostile.py."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 from pydantic import ValidationError
 
 from reval.config import RolloutConfig
-from rollout import sandbox
-from rollout.rewards import RewardFunction
+from rollout.grading import sandbox
+from rollout.grading.custom import RewardFunction
 from rollout.task_types import Prompt
 
-CODE = "rollout.graders:code_tests"
+CODE = "rollout.grading.graders:code_tests"
 RIGHT = "```python\ndef add(a, b):\n    return a + b\n```"
 TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]
 
@@ -49,7 +49,7 @@ def test_code_grading_refuses_to_start_without_bubblewrap(tmp_path, monkeypatch)
     assert "No permissions to create new namespace" in str(err.value)
     assert "\n" not in str(err.value)
     # Graders that never execute model text need no sandbox.
-    RewardFunction("rollout.graders:exact_match", {}, timeout=5.0)
+    RewardFunction("rollout.grading.graders:exact_match", {}, timeout=5.0)
 
 
 def test_unsafe_mode_is_explicit_warns_at_every_start_and_marks_every_answer(

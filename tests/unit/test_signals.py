@@ -121,7 +121,7 @@ class _Engine:
 
 class _ComponentVerifier:
     """Grades as a custom reward's pool does: a score, and named components kept for
-    ``drain_components`` (rollout/grading_pool.py: PooledVerifier)."""
+    ``drain_components`` (rollout/grading/pool.py: PooledVerifier)."""
 
     def __init__(self) -> None:
         self.kept: list[dict[str, float]] = [{"stale": 9.0}]  # (graded before the benchmark)

@@ -1,4 +1,4 @@
-"""Math grading (rollout/math_grading.py) and the grading pool (rollout/grading_pool.py,
+"""Math grading (rollout/grading/math_grading.py) and the grading pool (rollout/grading/pool.py,
 grading_worker.py): math-verify grading, the worker pool's timeouts, crashes and threads.
 
 One pool for the module (workers start in ~0.5 s each). The pathological answer is
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from rollout.grading_pool import VerifierPool
-from rollout.math_grading import MathVerify, choice_letter, clean_gold, last_boxed_answer
+from rollout.grading.math_grading import MathVerify, choice_letter, clean_gold, last_boxed_answer
+from rollout.grading.pool import VerifierPool
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG = "\\boxed{3^{1000000000}}"  # against gold "2"
@@ -351,7 +351,7 @@ def test_workers_die_with_the_parent() -> None:
     script = textwrap.dedent(
         """
         import os, signal, sys
-        from rollout.grading_pool import VerifierPool
+        from rollout.grading.pool import VerifierPool
         if __name__ == "__main__":
             pool = VerifierPool(workers=2)
             assert pool.wait_ready(60)

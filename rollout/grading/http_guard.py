@@ -179,13 +179,13 @@ class _PinnedTLS(http.client.HTTPSConnection):
     """HTTPS to one checked address; the certificate is checked against the URL's host."""
 
     def __init__(self, target: Target, address: str, timeout: float) -> None:
-        super().__init__(target.host, target.port, timeout=timeout,
-                         context=ssl.create_default_context())  # fmt: skip
+        self.tls = ssl.create_default_context()
+        super().__init__(target.host, target.port, timeout=timeout, context=self.tls)
         self.address = address
 
     def connect(self) -> None:
         raw = socket.create_connection((self.address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(raw, server_hostname=self.host)  # type: ignore[attr-defined]
+        self.sock = self.tls.wrap_socket(raw, server_hostname=self.host)
 
 
 def _close_at(sock: socket.socket, fired: threading.Event) -> None:

@@ -1,8 +1,8 @@
-"""The grading pool: a ``PoolGrader`` (``rollout/grading_worker.py``; ``MathVerify`` by default,
-``rollout/math_grading.py``) in a pool of worker processes. ``reval train``, the rollout workers
-and ``reval eval`` all grade through ``PooledVerifier``/``VerifierPool``; a custom task's reward
-function (``rollout/rewards.py``: ``RewardFunction``) grades in the same processes, under the
-same deadline, with the same accounting.
+"""The grading pool: a ``PoolGrader`` (``rollout/grading/process.py``; ``MathVerify`` by default,
+``rollout/grading/math_grading.py``) in a pool of worker processes. ``reval train``, the rollout
+workers and ``reval eval`` all grade through ``PooledVerifier``/``VerifierPool``; a custom task's
+reward function (``rollout/grading/custom.py``: ``RewardFunction``) grades in the same processes,
+under the same deadline, with the same accounting.
 
 math-verify's timeouts (``signal.alarm``) work only on a process's main thread, so
 ``VerifierPool`` grades in the main thread of worker processes (``spawn`` context), each looping
@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
 
 from reval.procs import kill_group
-from rollout.grading_worker import (
+from rollout.grading.math_grading import MathVerify
+from rollout.grading.process import (
     ERROR_REASONS,
     REWARD_REASONS,
     Graded,
@@ -59,7 +60,6 @@ from rollout.grading_worker import (
     oom_kills,
     worker_main,
 )
-from rollout.math_grading import MathVerify
 
 if TYPE_CHECKING:
     from rollout.task_types import Prompt

@@ -1,5 +1,5 @@
 """The one sandbox seam: every piece of model-written code runs through ``run`` (today:
-``rollout.graders:code_tests``; an environment or tool that executes model code must too).
+``rollout.grading.graders:code_tests``; an environment or tool that executes model code must too).
 
 Which graders need it: ``math_boxed``, ``exact_match`` and ``regex_format`` never execute model
 text (they compare strings, or parse LaTeX with math-verify), and the calculator environment

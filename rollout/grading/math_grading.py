@@ -1,5 +1,5 @@
 """Math answers graded for equivalence with math-verify (run in the grading processes of
-``rollout/grading_pool.py``).
+``rollout/grading/pool.py``).
 
 ``MathVerify`` is the grading function: the last ``\\boxed{...}`` of a response against the gold
 answer. It is the one grader of math answers: ``reval train``, the rollout workers and
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout.grading_worker import Graded, Precheck
+from rollout.grading.process import Graded, Precheck
 
 if TYPE_CHECKING:
     from rollout.task_types import Prompt
@@ -128,7 +128,7 @@ def _is_timeout(err: BaseException) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _configs() -> tuple[Any, Any, Any]:
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig  # type: ignore[import-untyped]
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
     latex = LatexExtractionConfig(boxed_match_priority=0)
     return latex, ExprExtractionConfig(), [latex]
@@ -138,7 +138,7 @@ def _configs() -> tuple[Any, Any, Any]:
 def _parse_gold(gold: str, parsing_timeout: int) -> tuple[Any, ...]:
     """Gold answers repeat (n samples per prompt): parsed once per worker. Timeouts and errors
     raise, so they are not cached."""
-    from math_verify import parse  # type: ignore[import-untyped]
+    from math_verify import parse
 
     latex, expr, _ = _configs()
     return tuple(
@@ -216,7 +216,7 @@ class MathVerify:
         fires, and whatever else parsing or comparing raised when no comparison succeeded.
         """
         self._check_thread()
-        from math_verify import parse, verify  # type: ignore[import-untyped]
+        from math_verify import parse, verify
 
         _, _, pred_config = _configs()
         golds = _parse_gold(clean_gold(gold), self.parsing_timeout)

@@ -1,7 +1,7 @@
-"""The grading processes' side of the pool (``rollout/grading_pool.py``): what a grader is
-(``PoolGrader``: ``MathVerify``, ``rollout/math_grading.py``; a custom task's ``RewardFunction``,
-``rollout/rewards.py``), what it returns (``Precheck`` in the caller, ``Graded`` in a worker),
-the reasons an answer scores 0 by failure, and a worker's main loop.
+"""The grading processes' side of the pool (``rollout/grading/pool.py``): what a grader is
+(``PoolGrader``: ``MathVerify``, ``rollout/grading/math_grading.py``; a custom task's
+``RewardFunction``, ``rollout/grading/custom.py``), what it returns (``Precheck`` in the caller,
+``Graded`` in a worker), the reasons an answer scores 0 by failure, and a worker's main loop.
 
 Each worker leads a process group of its own (``reval.procs.own_group``): whatever it starts (a
 custom reward function that forks or runs subprocesses) is SIGKILLed with it, when the pool closes,
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from rollout.task_types import Prompt
 
 REWARD_REASONS = ("not_a_number", "not_finite")
-"""What a custom reward function returned that is not a reward (``rollout/rewards.py``)."""
+"""What a custom reward function returned that is not a reward (``rollout/grading/custom.py``)."""
 ERROR_REASONS = ("timeout", "memory", "crash", "error", "too_long", "startup", *REWARD_REASONS)
 
 

@@ -1,13 +1,14 @@
 """The built-in reward functions, named like a user's (``task.reward =
-"rollout.graders:NAME"``, their options in ``task.reward_args``) and run the same way: in the
-grading processes of ``rollout/grading_pool.py``, through ``rollout/rewards.py``'s ``RewardFunction``.
+"rollout.grading.graders:NAME"``, their options in ``task.reward_args``) and run the same way:
+in the grading processes of ``rollout/grading/pool.py``, through ``rollout/grading/custom.py``'s
+``RewardFunction``.
 
 | name | reward | ``task.reward_args`` |
 |---|---|---|
 | ``math_boxed`` | 1 when the last ``\\boxed{}`` equals the row's answer (math-verify: ``MathVerify``) | ``field`` ("answer"), ``require_think`` (false) |
 | ``exact_match`` | 1 when the stripped completion equals the row's answer | ``field`` ("answer"), ``ignore_case`` (false) |
 | ``regex_format`` | 1 when the completion matches a regular expression | ``pattern``, ``full`` (false: ``re.search``; true: ``re.fullmatch``) |
-| ``code_tests`` | the share of the row's tests the completion's code passes, run in the sandbox (``rollout/sandbox.py``) | ``tests_field`` ("tests"), ``timeout_s`` (3), ``memory_mb`` (512) |
+| ``code_tests`` | the share of the row's tests the completion's code passes, run in the sandbox (``rollout/grading/sandbox.py``) | ``tests_field`` ("tests"), ``timeout_s`` (3), ``memory_mb`` (512) |
 | ``http_reward`` | a reward served over HTTP (a reward model elsewhere), one POST per chunk of answers | ``url``, ``timeout_s`` (30), ``headers`` ({}), ``token_env`` |
 """  # noqa: E501
 
@@ -19,7 +20,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollout import sandbox
+from rollout.grading import sandbox
+from rollout.grading.custom import batched, preflighted
 
 
 def math_boxed(
@@ -31,7 +33,7 @@ def math_boxed(
 ) -> float:
     """1.0 when the completion's last ``\\boxed{}`` is math-verify-equivalent to
     ``metadata[field]`` (the math task's grader, ``math_grading.MathVerify``), else 0.0."""
-    from rollout.math_grading import MathVerify
+    from rollout.grading.math_grading import MathVerify
 
     return MathVerify(require_think=require_think).grade(str(metadata[field]), completion)
 
@@ -198,6 +200,15 @@ say("end")
 )
 
 
+def _preflight(args: Mapping[str, Any], pool_timeout_s: float, sandbox_mode: str) -> None:
+    """When grading starts (``RewardFunction``): the sandbox can run (else one line,
+    ``sandbox.SandboxUnavailable``), and ``timeout_s`` leaves the pool's deadline its margin."""
+    timeout_s = float(args.get("timeout_s", 3.0))
+    sandbox.check_deadline(timeout_s, pool_timeout_s, "task.reward_args.timeout_s")
+    sandbox.preflight(sandbox_mode)
+
+
+@preflighted(_preflight)
 def code_tests(
     prompt: Any,
     completion: str,
@@ -206,14 +217,14 @@ def code_tests(
     timeout_s: float = 3.0,
     memory_mb: int = 512,
 ) -> dict[str, float]:
-    """The share of ``metadata[tests_field]`` (a string of test code, or a list of them, each
-    run on its own) that passes against the completion's code (its last fenced ```python
-    block, else all of it), run through the sandbox seam (``rollout/sandbox.py``: bubblewrap,
-    or the operator's explicit ``rollout.sandbox = "unsafe-none"``). Components: ``passed``
-    (tests passed), ``compiled`` (1 when the code ran to its end), and ``unsafe`` (1, only when
-    it ran with no sandbox). ``timeout_s`` is the whole answer's deadline (the sandbox's start
-    included; its CPU limit too) and must be at most ``rollout.verifier_timeout_s`` - 1 s
-    (checked when grading starts); ``memory_mb`` the address space of the code's process.
+    """The share of ``metadata[tests_field]`` (a string of test code, or a list of them, each run on
+    its own) that passes against the completion's code (its last fenced ```python block, else all of
+    it), run through the sandbox seam (``rollout/grading/sandbox.py``: bubblewrap, or the operator's
+    explicit ``rollout.sandbox = "unsafe-none"``). Components: ``passed`` (tests passed),
+    ``compiled`` (1 when the code ran to its end), and ``unsafe`` (1, only when it ran with no
+    sandbox). ``timeout_s`` is the whole answer's deadline (the sandbox's start included; its CPU
+    limit too) and must be at most ``rollout.verifier_timeout_s`` - 1 s (checked when grading
+    starts); ``memory_mb`` the address space of the code's process.
 
     How a score cannot be forged: the code runs in a process of its own, which may not start
     others; the tests run in the harness's process, which the code cannot write to or read
@@ -258,17 +269,7 @@ def run_tests(completion: str, tests: list[str], timeout_s: float = 3.0,
     return sandbox.run(_HARNESS, json.dumps(job).encode(), limits)
 
 
-def _preflight(args: Mapping[str, Any], pool_timeout_s: float, sandbox_mode: str) -> None:
-    """When grading starts (``RewardFunction``): the sandbox can run (else one line,
-    ``sandbox.SandboxUnavailable``), and ``timeout_s`` leaves the pool's deadline its margin."""
-    timeout_s = float(args.get("timeout_s", 3.0))
-    sandbox.check_deadline(timeout_s, pool_timeout_s, "task.reward_args.timeout_s")
-    sandbox.preflight(sandbox_mode)
-
-
-code_tests.preflight = _preflight  # type: ignore[attr-defined]
-
-
+@batched
 def http_reward(
     prompts: Sequence[Any],
     completions: Sequence[str],
@@ -278,17 +279,17 @@ def http_reward(
     headers: Mapping[str, str] | None = None,
     token_env: str | None = None,
 ) -> list[Any]:
-    """Rewards served over HTTP: one POST of ``{"prompts", "completions", "metadata"}`` (JSON)
-    to ``url`` per chunk of answers, answered with ``{"rewards": [...]}``, one reward (a number
-    or a dict with ``score``) per answer, in order. ``token_env``: the environment variable
-    holding a bearer token (a secret stays out of the config, which is written to the run
-    directory). An HTTP error or a timeout fails the chunk: each of its answers scores 0,
-    counted as an ``error``. What it may reach and send is guarded (``rollout/http_guard.py``):
-    http(s) only, no private, loopback or link-local address unless the operator lists it
-    (``REVAL_HTTP_REWARD_HOSTS``), no redirect followed, ``token_env`` starting with
-    ``REVAL_REWARD_`` or listed (``REVAL_HTTP_REWARD_TOKEN_ENVS``), an answer of at most 16 MiB,
-    and ``timeout_s`` for the whole request."""
-    from rollout.http_guard import check_token_env, post_json
+    """Rewards served over HTTP: one POST of ``{"prompts", "completions", "metadata"}`` (JSON) to
+    ``url`` per chunk of answers, answered with ``{"rewards": [...]}``, one reward (a number or a
+    dict with ``score``) per answer, in order. ``token_env``: the environment variable holding a
+    bearer token (a secret stays out of the config, which is written to the run directory). An HTTP
+    error or a timeout fails the chunk: each of its answers scores 0, counted as an ``error``. What
+    it may reach and send is guarded (``rollout/grading/http_guard.py``): http(s) only, no private,
+    loopback or link-local address unless the operator lists it (``REVAL_HTTP_REWARD_HOSTS``), no
+    redirect followed, ``token_env`` starting with ``REVAL_REWARD_`` or listed
+    (``REVAL_HTTP_REWARD_TOKEN_ENVS``), an answer of at most 16 MiB, and ``timeout_s`` for the whole
+    request."""
+    from rollout.grading.http_guard import check_token_env, post_json
 
     sent = {"Content-Type": "application/json", **dict(headers or {})}
     if token_env is not None:
@@ -305,6 +306,3 @@ def http_reward(
     if not isinstance(rewards, list):
         raise ValueError(f"{url} answered without a 'rewards' list: {str(answer)[:200]}")
     return rewards
-
-
-http_reward.batched = True  # type: ignore[attr-defined]

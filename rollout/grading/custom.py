@@ -1,10 +1,5 @@
-"""A custom task: any dataset's rows as prompts, graded by the user's reward function.
-
-``task.dataset`` is read by the math task's reader (``math_task.read_rows``: a local JSONL or
-parquet file, or a ``datasets`` hub name). Each row's ``task.prompt_field`` is the prompt: a
-string as it is, or a list of chat messages put through the tokenizer's chat template. Every
-other column is the row's metadata. Rows without a usable prompt, or over
-``task.max_prompt_tokens``, are skipped and counted (``reval_task_prompts_skipped``).
+"""Custom rewards: the function a custom task's ``task.reward`` names, called in the grading
+processes (``RewardFunction``); the task that reads its prompts is ``rollout/custom_task.py``.
 
 ``task.reward`` (``package.module:function`` or ``path/to/file.py:function``, loaded by
 ``reval.paths.load_reward``) is called as ``f(prompt, completion, metadata, **task.reward_args)``,
@@ -13,16 +8,20 @@ as generated (``reval.answers.answer_text``: up to its stop token, special token
 function that declares a ``finish_reason`` parameter also gets ``finish_reason="stop"`` or
 ``"length"`` (cut at the token limit; ``algo.truncated_reward`` decides what such an answer
 earns in training, docs/tasks.md). It runs in the worker's
-grading processes (``rollout/grading_pool.py``: ``VerifierPool``, the math grader's pool) under the
-per-answer deadline ``rollout.verifier_timeout_s``. How a function is called:
+grading processes (``rollout/grading/pool.py``: ``VerifierPool``, the math grader's pool) under
+the per-answer deadline ``rollout.verifier_timeout_s``. How a function is called:
 
 - plain (``def f(prompt, completion, metadata)``): once per answer, one answer per task;
-- batched (the function has the attribute ``batched = True``): ``f(prompts, completions,
-  metadatas)`` with lists, returning a list of as many rewards; the pool hands each grading
-  process one chunk of a round's answers, with a deadline of the per-answer one times its size;
+- batched (the function has the attribute ``batched = True``, set by hand or by the ``batched``
+  decorator here): ``f(prompts, completions, metadatas)`` with lists, returning a list of as
+  many rewards; the pool hands each grading process one chunk of a round's answers, with a
+  deadline of the per-answer one times its size;
 - async (``async def``, recognised by ``inspect.iscoroutinefunction``): the answers of a chunk
   are awaited together on the process's event loop, each under the per-answer deadline (a
   batched async function: one await per chunk).
+
+A function with a ``preflight`` attribute (``preflighted``: ``f(reward_args, timeout_s,
+sandbox_mode)``) has it called when grading starts, in the worker and in each grading process.
 
 A reward is a number (``bool`` counts), or a dict whose ``score`` is the reward and whose other
 numeric entries are named components (the ``reval_reward_component{name}`` summary; the
@@ -38,22 +37,45 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
-from reval.config import RolloutConfig, TaskConfig
 from reval.paths import load_reward
-from rollout.grading_pool import PooledVerifier
-from rollout.grading_worker import Graded, Precheck
-from rollout.math_task import TaskMetrics, answer_shape, read_rows
-from rollout.task_types import Prompt, Verifier
-from rollout.warm_start import WarmStart
+from rollout.grading.process import Graded, Precheck
+from rollout.task_types import Prompt
 
-log = logging.getLogger("reval.rewards")
+Preflight = Callable[[Mapping[str, Any], float, str], None]
+"""A reward's check when grading starts: ``(task.reward_args, the pool's per-answer deadline,
+rollout.sandbox)``; it raises, in one line, what keeps the reward from grading."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Batched(Protocol):
+    batched: bool
+
+
+class _Preflighted(Protocol):
+    preflight: Preflight
+
+
+def batched(fn: F) -> F:
+    """``fn`` marked batched: ``fn.batched = True`` (what a user may also write by hand; see the
+    module's docstring for how a batched function is called)."""
+    cast(_Batched, fn).batched = True
+    return fn
+
+
+def preflighted(check: Preflight) -> Callable[[F], F]:
+    """A decorator giving the reward ``check`` as its ``preflight`` (``RewardFunction`` calls it
+    when grading starts)."""
+
+    def mark(fn: F) -> F:
+        cast(_Preflighted, fn).preflight = check
+        return fn
+
+    return mark
 
 
 def to_graded(value: Any) -> Graded:
@@ -97,9 +119,9 @@ def _error(err: BaseException) -> Graded:
 
 
 class RewardFunction:
-    """The grader (``grading_worker.PoolGrader``) of a custom task: the function ``spec`` names,
-    called with ``kwargs`` in the grading processes. Loaded here too: what ``batched`` is depends on
-    it. ``timeout``: the per-answer deadline of an async function's answers."""
+    """The grader (``rollout.grading.process.PoolGrader``) of a custom task: the function ``spec``
+    names, called with ``kwargs`` in the grading processes. Loaded here too: what ``batched`` is
+    depends on it. ``timeout``: the per-answer deadline of an async function's answers."""
 
     def __init__(self, spec: str, kwargs: Mapping[str, Any] | None = None,
                  timeout: float = 5.0, sandbox: str = "bwrap") -> None:  # fmt: skip
@@ -143,9 +165,10 @@ class RewardFunction:
             self._preflight(self._fn)
 
     def _preflight(self, fn: Any) -> None:
-        """A function that runs model code (``rollout.graders:code_tests``) checks its sandbox
-        (``rollout.sandbox``) and its deadline against ``timeout`` when grading starts, in the
-        worker and in each grading process: it refuses there, in one line, not per answer."""
+        """A function that runs model code (``rollout.grading.graders:code_tests``: its
+        ``preflight``) checks its sandbox (``rollout/grading/sandbox.py``) and its deadline against
+        ``timeout`` when grading starts, in the worker and in each grading process: it refuses
+        there, in one line, not per answer."""
         preflight = getattr(fn, "preflight", None)
         if callable(preflight):
             preflight(self.kwargs, self.timeout, self.sandbox)
@@ -217,136 +240,3 @@ def takes_finish_reason(fn: Any) -> bool:
         inspect.Parameter.POSITIONAL_OR_KEYWORD,
         inspect.Parameter.KEYWORD_ONLY,
     )
-
-
-def prompt_text(value: Any, tokenizer: Any | None) -> str | None:
-    """What the model reads of a prompt field: a string as it is; chat messages through the
-    tokenizer's chat template (ValueError without one); None for anything else."""
-    if isinstance(value, str):
-        return value
-    if (
-        isinstance(value, list)
-        and value
-        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
-    ):
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "task.prompt_field holds chat messages but the model's tokenizer has no chat "
-                "template: give the prompt as a string, or a model with a chat template"
-            )
-        messages = [dict(m) for m in value]
-        text: str = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return text
-    return None
-
-
-def read_prompts(
-    rows: Iterable[Mapping[str, Any]],
-    prompt_field: str,
-    tokenizer: Any | None = None,
-    max_prompt_tokens: int | None = None,
-    source: str = "the dataset",
-) -> tuple[list[Prompt], dict[str, int]]:
-    """A custom task's prompts and its skipped rows by reason. Rows without a usable
-    ``prompt_field`` (missing, not a string or chat messages: ``missing_field``; empty:
-    ``empty_problem``) or over ``max_prompt_tokens`` (counted with ``tokenizer``; characters / 8
-    without one: ``too_long``) are skipped and counted; none left is a ValueError naming
-    ``task.prompt_field``."""
-    prompts: list[Prompt] = []
-    skipped: dict[str, int] = {}
-    columns: set[str] = set()
-    for i, row in enumerate(rows):
-        columns.update(map(str, row))
-        value = row.get(prompt_field)
-        text = prompt_text(value, tokenizer)
-        if text is None:
-            reason = "missing_field"
-        elif not text.strip():
-            reason = "empty_problem"
-        elif (
-            max_prompt_tokens is not None
-            and (
-                len(tokenizer(text, add_special_tokens=False).input_ids)
-                if tokenizer is not None
-                else len(text) // 8
-            )
-            > max_prompt_tokens
-        ):
-            reason = "too_long"
-        else:
-            metadata = {k: v for k, v in row.items() if k != prompt_field}
-            answer = metadata.get("answer")
-            prompts.append(Prompt(id=str(row.get("id", i)), text=text,
-                                      answer="" if answer is None else str(answer),
-                                      raw=value, metadata=metadata))  # fmt: skip
-            continue
-        skipped[reason] = skipped.get(reason, 0) + 1
-    if not prompts:
-        have = ", ".join(sorted(columns)) or "none"
-        raise ValueError(
-            f"task.prompt_field: no row of {source} has a usable {prompt_field!r} (a "
-            f"non-empty string or chat messages of at most task.max_prompt_tokens tokens; "
-            f"columns: {have}; skipped: {skipped})"
-        )
-    if skipped:
-        log.warning("skipped rows of %s: %s", source, skipped)
-    return prompts, skipped
-
-
-@dataclass
-class CustomTask:
-    """Prompts read from ``task.dataset``, graded by ``task.reward`` (the module's docstring)."""
-
-    prompts: list[Prompt]
-    verifier: Verifier
-    name: str = "custom"
-    skipped: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: TaskConfig,
-        tokenizer: Any | None = None,
-        rollout: RolloutConfig | None = None,
-        registry: Any | None = None,
-        field: str = "task.dataset",
-    ) -> CustomTask:
-        """``cfg.dataset`` (named ``field`` in errors: ``eval.dataset`` for a held-out copy)
-        graded by ``cfg.reward`` in a pool of ``rollout.verifier_workers`` processes; the
-        grading and skipped-row metrics on ``registry``."""
-        if cfg.reward is None or cfg.dataset is None:
-            raise ValueError("task.kind=custom needs task.reward and task.dataset")
-        timeout = rollout.verifier_timeout_s if rollout else 5.0
-        grader = RewardFunction(cfg.reward, cfg.reward_args, timeout,
-                                rollout.sandbox if rollout else "bwrap")  # fmt: skip
-        rows = read_rows(cfg.dataset, cfg.split, field)
-        memory_mb = rollout.grading_memory_mb if rollout else None
-        verifier = PooledVerifier(grader, workers=rollout.grading_processes() if rollout else 2,
-                                  timeout=timeout, registry=registry,
-                                  memory_mb=memory_mb)  # fmt: skip
-        try:
-            prompts, skipped = read_prompts(rows, cfg.prompt_field, tokenizer,
-                                            cfg.max_prompt_tokens,
-                                            f"{field} {cfg.dataset!r} ({cfg.split})")  # fmt: skip
-        except BaseException:
-            verifier.close()
-            raise
-        task = cls(prompts=prompts, verifier=verifier, skipped=skipped)
-        counter = TaskMetrics(registry).skipped
-        for reason, n in task.skipped.items():
-            counter.labels(reason).inc(n)
-        return task
-
-    def pretrain_texts(self, rng: Any, count: int) -> list[str]:
-        """Each prompt followed by the ``answer`` column of another row, of the same shape
-        (``math_task.answer_shape``) where one grades wrong: the answer format, never an answer
-        the reward grades right (every pairing is graded by the task's reward first:
-        ``rollout/warm_start.py``); the prompt alone where none is wrong or there is no
-        ``answer`` column."""
-        return self.warm_start.texts(rng, count)
-
-    @cached_property
-    def warm_start(self) -> WarmStart:
-        return WarmStart(self.prompts, self.verifier, str, answer_shape)
