@@ -39,7 +39,6 @@ from typing import Any, Literal
 import redis
 import torch
 import torch.distributed as dist
-from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from buffer import make_consumer
@@ -49,24 +48,23 @@ from buffer.prefetch import Prefetcher
 from buffer.records import RecordLimits, Trajectory
 from buffer.redis_layout import RingCorrupt
 from learner.batches import BatchSource, context_limits, split_shares
-from learner.checkpoint import PARTIAL, Checkpointer, latest_checkpoint
+from learner.checkpoint import Checkpointer, latest_checkpoint
 from learner.export import export_hf
 from learner.parallel import build_models, rank_device, reduce_scalar
-from learner.step import UpdateMetrics, UpdateStep
+from learner.reporting import LearnerMetrics, LearnerReporting
+from learner.step import UpdateStep
 from learner.trainer import Learner, UpdateMemoryError
-from reval import registry
 from reval.config import RunConfig, dump_config, public_dump
 from reval.control import (
     LiveHParams,
     RunControl,
     RunLease,
-    RunStatus,
     adopt_run,
 )
-from reval.metrics import PREFIX, JsonlWriter
+from reval.metrics import JsonlWriter
 from reval.policy import compute_dtype, load_policy
 from reval.redis import connect
-from reval.retry import cut_short, skip_on_outage, skip_when_stopping, stop_waiting
+from reval.retry import cut_short, skip_when_stopping, stop_waiting
 from reval.threads import tick as thread_tick
 from reval.weights.sender import build_sender
 
@@ -111,42 +109,18 @@ class Pending:
     """Live hyperparameters to apply before this update (only those that change)."""
 
 
-class LearnerMetrics:
-    """The learner process's metrics beyond the updates' (``learner/step.py``)."""
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        p = f"{PREFIX}learner_"
-        self.wait_data = Counter(f"{p}wait_data_seconds", "Time waiting for a batch", registry=r)
-        self.update_s = Counter(f"{p}update_seconds", "Time in updates", registry=r)
-        self.sync_s = Counter(f"{p}sync_seconds", "Time publishing weights", registry=r)
-        self.workers = Gauge(f"{p}workers_alive", "Rollout workers registered", registry=r)
-        self.paused = Gauge(f"{p}paused", "1 while the run is paused", registry=r)
-        self.sync_bytes = Counter(f"{p}sync_bytes", "Weight bytes published", registry=r)
-        self.file_version = Gauge(
-            f"{p}weights_file_version", "Newest version written to a weights file", registry=r
-        )
-        self.files_skipped = Counter(
-            f"{p}weights_files_skipped",
-            "Versions without a file (the previous one was still being written)",
-            registry=r,
-        )
-        self.file_errors = Counter(
-            f"{p}weights_file_errors", "Weights files that could not be written", registry=r
-        )
-        self.update = UpdateMetrics(r)
-
-
 def _gather(obj: Any) -> list[Any] | None:
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
 
 
-class LearnerService:
+class LearnerService(LearnerReporting):
     """One rank of the learner: the policy and reference sharded over the ranks, rank 0 drawing
     the batches (``learner/batches.py``) from the replay service and publishing the weights,
-    every rank running the one update step (``learner/step.py``) on its share."""
+    every rank running the one update step (``learner/step.py``) on its share; what it reports
+    (metrics, log rows, progress lines, the run's status) is ``LearnerReporting``'s
+    (``learner/reporting.py``)."""
 
     def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
         self.cfg = cfg
@@ -405,18 +379,6 @@ class LearnerService:
         self.published = True
         self.metrics.sync_s.inc(time.perf_counter() - t0)
 
-    def _file_metrics(self) -> None:
-        """The background file writer's counts, as of now (rank 0)."""
-        files, m = self.sender.files, self.metrics
-        if files is None:
-            return
-        skipped, errors = files.skipped, files.errors
-        m.files_skipped.inc(skipped - self._files_counted[0])
-        m.file_errors.inc(errors - self._files_counted[1])
-        self._files_counted = (skipped, errors)
-        if files.last_written is not None:
-            m.file_version.set(files.last_written)
-
     # -- the loop ------------------------------------------------------------------------------
 
     def _next_batch(
@@ -597,77 +559,3 @@ class LearnerService:
                     "batch_quarantined", {"records": len(ids), "error": repr(err)[:500]},
                     step=self.learner.step,
                 )  # fmt: skip
-
-    def _log(self, record: dict[str, Any], wait: float, elapsed: float) -> None:
-        if self.rank != 0:
-            return
-        alive: int | None = None  # (Redis away or refusing: not known; the outage is logged)
-        with skip_on_outage("learner: the workers' registry"):
-            alive = registry.count_alive(
-                self.client, self.cfg.redis.prefix, self.cfg.name, self.cfg.rollout.heartbeat_s
-            )
-            self.metrics.workers.set(alive)
-        try:
-            ring = self.ring.stats()
-            counters = {
-                "buffer_inserted": ring.inserted,
-                "buffer_sampled": ring.sampled,
-                "buffer_evicted": ring.evicted,
-                "buffer_evicted_unused": ring.evicted_unused,
-                "buffer_reuse": ring.reuse,
-            }
-            if self.buffer_metrics is not None:
-                self.buffer_metrics.observe_stats(ring)
-        except (redis.ConnectionError, redis.TimeoutError, ConnectionError):
-            counters = {}
-        record = {
-            **record,
-            **counters,
-            "wait_data_s": wait,
-            "elapsed_s": elapsed,
-            "workers": alive,
-            "broadcast_to": self.broadcast_to,
-        }
-        if self.writer is not None:
-            self.writer.write(record)
-        self._progress(record, wait)
-        self._status("paused" if self.paused else "running", record)
-
-    def _progress(self, record: dict[str, Any], wait: float) -> None:
-        """Rank 0's line every ``metrics.log_every`` updates (every update with ``reval learner
-        --verbose``): step, loss, batch reward, the wait for data and the throughput since the
-        last line."""
-        w = self._window
-        w[1], w[2], w[3] = w[1] + 1, w[2] + int(record.get("batch_size", 0)), w[3] + wait
-        every = self.cfg.metrics.log_every
-        if not every or self.update_step.counts.updates % every:
-            return
-        took = max(time.monotonic() - w[0], 1e-9)
-        log.info(
-            "step %d (update %d): loss %.4g, reward %.3f, waited %.1f s for data, "
-            "%.2f updates/s, %.1f trajectories/s",
-            self.learner.step, self.update_step.counts.updates, record["loss"],
-            record["batch_reward_mean"], w[3], w[1] / took, w[2] / took,
-        )  # fmt: skip
-        self._window = [time.monotonic(), 0, 0, 0.0]
-
-    def _status(self, phase: str, last: dict[str, Any] | None = None) -> None:
-        """The run's status hash (rank 0): what ``GET /v1/runs/{name}`` shows."""
-        if self.rank != 0:
-            return
-        self.metrics.paused.set(1 if phase == "paused" else 0)
-        st = self.state
-        status = RunStatus(
-            phase=phase,
-            step=st.step,
-            updates=st.updates,
-            policy_version=st.step,
-            hparams=self.update_step.applied.set_fields(),
-            checkpoints=sorted(
-                p.name for p in self.ckpt_dir.glob("step-*") if not p.name.endswith(PARTIAL)
-            )[-5:],
-        )
-        if last is not None:
-            status.last = last
-        with skip_on_outage("learner: the run status"):  # (Redis away: the next one)
-            self.control.publish_status(status)

@@ -25,7 +25,7 @@ class MetricInfo:
 def registries() -> dict[str, CollectorRegistry]:
     """A fresh registry per process kind, filled as that process fills its own."""
     from buffer.metrics import BufferMetrics
-    from learner.service import LearnerMetrics
+    from learner.reporting import LearnerMetrics
     from learner.step import UpdateMetrics
     from reval.metrics import TrainMetrics
     from rollout.grading.pool import VerifierMetrics
