@@ -27,7 +27,6 @@ from reval.retry import skip_on_outage
 if TYPE_CHECKING:
     from buffer.base import ReplayConsumer
     from buffer.metrics import BufferMetrics
-    from learner.service import LearnerState
     from learner.step import UpdateStep
     from learner.trainer import Learner
     from reval.config import RunConfig
@@ -86,7 +85,8 @@ class LearnerReporting:
     if TYPE_CHECKING:
 
         @property
-        def state(self) -> LearnerState: ...
+        def state(self) -> Any:  # a ``LearnerState`` (``learner/service.py`` imports this module)
+            ...
 
     def _file_metrics(self) -> None:
         """The background file writer's counts, as of now (rank 0)."""
