@@ -1,7 +1,8 @@
 """``reval launch``: a whole run on Ray. The learner ranks and the rollout workers are Ray actors
-with per-role resources (``[launch]``: CPUs here, GPUs on a GPU node), on a local Ray by default
-or on the cluster at ``RAY_ADDRESS``; Redis is the one in the config. This is how a run grows past
-one machine: the learner ranks sit in one placement group, the workers go wherever Ray finds room.
+(``services/launch_actors.py``) with per-role resources (``[launch]``: CPUs here, GPUs on a GPU
+node), on a local Ray by default or on the cluster at ``RAY_ADDRESS``; Redis is the one in the
+config. This is how a run grows past one machine: the learner ranks sit in one placement group,
+the workers go wherever Ray finds room.
 
 The launching process (the *driver*) is the control loop. It owns every actor, so they end with
 it, and it:
@@ -35,9 +36,7 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from reval.config import RunConfig
 from reval.ratelog import RateLog
 from reval.retry import skip_on_outage
 from reval.threads import machine_cpus
+from services.launch_actors import RING_CORRUPT, LearnerRank, RolloutActor
 
 log = logging.getLogger("reval.launch")
 
@@ -77,104 +77,6 @@ def wait_logged(ray: Any, refs: list[Any], what: str, timeout_s: float) -> list[
         if pending:
             log.info("waiting for %s (%.0f s so far)", what, time.monotonic() - t0)
     return list(ray.get(list(refs)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def _actor_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-
-
-RING_CORRUPT = "ring_corrupt"
-"""The key of a learner rank's answer when a corrupt ring stopped it (its message): the driver
-ends the launch with that one line and restarts nothing (a restart would meet the same ring)."""
-
-
-class LearnerRank:
-    """One FSDP2 rank of ``learner/service.py`` in a Ray actor."""
-
-    def __init__(self, rank: int, world: int) -> None:
-        _actor_logging()
-        self.rank, self.world = rank, world
-        self.service: Any = None
-        self.stopping = threading.Event()
-
-    def endpoint(self) -> tuple[str, int, int]:
-        import ray
-
-        return ray.util.get_node_ip_address(), _free_port(), os.getpid()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def run(self, cfg_json: str, addr: str, port: int, resume: bool) -> dict[str, Any]:
-        from learner.ranks import run_rank
-
-        os.environ.update(
-            MASTER_ADDR=addr,
-            MASTER_PORT=str(port),
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world),
-            LOCAL_RANK="0",  # Ray gives each rank its own device(s): CUDA_VISIBLE_DEVICES
-        )
-        cfg = RunConfig.model_validate_json(cfg_json)
-
-        def keep(service: Any) -> None:
-            self.service = service
-            if self.stopping.is_set():
-                service.request_stop()  # (a wait for Redis in hand ends too)
-
-        try:
-            state = run_rank(cfg, resume, None, on_service=keep, handle_signals=False)
-        except RingCorrupt as err:  # (the driver ends the launch with its one line, no restart)
-            return {RING_CORRUPT: str(err)}
-        return dict(state.__dict__)
-
-    def stop(self) -> None:
-        """Checkpoint and stop after the current update (every rank agrees through rank 0)."""
-        self.stopping.set()
-        if self.service is not None:
-            self.service.request_stop()  # (a wait for Redis in hand ends too)
-
-
-class RolloutActor:
-    """One rollout worker (``rollout/worker.py``) in a Ray actor."""
-
-    def __init__(self, worker_id: str) -> None:
-        _actor_logging()
-        self.worker_id = worker_id
-        self.worker: Any = None
-        self.stopping = threading.Event()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def run(self, cfg_json: str) -> dict[str, Any]:
-        from reval.threads import apply, budget
-        from rollout.worker import RolloutWorker
-
-        cfg = RunConfig.model_validate_json(cfg_json)
-        apply(budget("worker"))  # (its num_cpus: reval/threads.py; before the engine starts)
-        self.worker = RolloutWorker(cfg, self.worker_id)
-        if self.stopping.is_set():
-            self.worker.stop.set()
-        stats = self.worker.run()
-        return {
-            "worker": self.worker_id,
-            "batches": stats.batches,
-            "trajectories": stats.trajectories,
-            "versions": sorted(set(stats.versions)),
-        }
-
-    def stop(self) -> None:
-        """Drain: finish the batch, push, deregister."""
-        self.stopping.set()
-        if self.worker is not None:
-            self.worker.stop.set()
 
 
 class LaunchMetrics:

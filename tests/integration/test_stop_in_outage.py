@@ -88,7 +88,7 @@ def test_reval_launchs_stop_of_a_learner_rank_ends_its_waits_for_redis(own_stop)
     """``reval launch`` stops a learner rank through its Ray actor (``LearnerRank.stop``): its
     service stops after the update in hand and a wait for Redis in hand ends too."""
     from learner.service import LearnerService
-    from services.launch import LearnerRank
+    from services.launch_actors import LearnerRank
 
     service = LearnerService.__new__(LearnerService)  # (only its stop; no model)
     service.stop, service.stop_signal = threading.Event(), 0

@@ -16,7 +16,8 @@ from buffer.redis_layout import RingCorrupt
 from reval import retry
 from reval.ratelog import RateLog
 from services import launch as launch_mod
-from services.launch import RING_CORRUPT, Launch, _Worker
+from services.launch import Launch, _Worker
+from services.launch_actors import RING_CORRUPT
 
 
 class FakeRay:

@@ -369,7 +369,7 @@ def test_under_reval_launch_a_worker_applies_its_budget_and_ranks_split_nothing_
     """A Ray worker actor applies its budget (it runs no ``rollout.worker.main``), and a learner
     rank in a Ray actor takes its own ``num_cpus`` whole (Ray split the node already)."""
     import learner.ranks
-    from services.launch import RolloutActor
+    from services.launch_actors import RolloutActor
 
     seen: list[threads.ThreadBudget] = []
     monkeypatch.setattr(threads, "apply", _spy(seen))
