@@ -7,6 +7,7 @@ Ray cluster ``reval serve --ray`` mounts the same app as a Ray Serve deployment 
 | ``app.py`` | ``create_app``: the app, its middleware and metrics, the routers over one service |
 | ``routes.py`` | the endpoints, each asking the service and returning what it built |
 | ``runs.py`` | ``RunService``: what each endpoint does; ``Store``, the API's registry of runs |
+| ``run_checks.py`` | what a POSTed run config may ask (``confine``, ``check_user_code``): 422s |
 | ``models.py`` | the request and response bodies |
 | ``security.py`` | the token check, the body size limit, ``token_problem`` |
 | ``serving.py`` | ``serve`` (uvicorn) and the Ray Serve deployment |

@@ -36,6 +36,7 @@ from reval.redis import claim_key, connect, runs_key
 from reval.run_dir import RunDir
 from reval.threads import machine_cpus
 from services.api.models import Accepted, BufferInfo, CreateRun, Event, Health, RunInfo, WorkerInfo
+from services.api.run_checks import check_user_code, confine, invalid
 
 FINISHED = ("stopped", "done", "failed")
 LIVE = ("starting", "running", "paused")
@@ -60,57 +61,6 @@ def cut(text: str, quote: bool = False) -> str:
 def shown(name: str) -> str:
     """``name`` quoted for an error message, cut (``cut``)."""
     return cut(name, quote=True)
-
-
-def _invalid(loc: list[str], msg: str) -> HTTPException:
-    """A 422 in FastAPI's own shape, for one field of the request."""
-    return HTTPException(422, [{"loc": loc, "msg": msg, "type": "value_error"}])
-
-
-def _under(path: str | Path, root: str | Path) -> bool:
-    """Whether ``path`` is ``root`` or lies below it, symbolic links and ``..`` resolved (as
-    the run, started from this process's directory, would resolve them)."""
-    real, base = os.path.realpath(path), os.path.realpath(root)
-    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
-
-
-def _hub_id(name: str) -> bool:
-    """``NAME`` or ``ORG/NAME`` that is not also a path here (``from_pretrained`` prefers a
-    local directory of that name)."""
-    return (
-        not name.startswith(("/", ".", "~", "\\"))
-        and name.count("/") <= 1
-        and not os.path.lexists(name)
-    )
-
-
-def _confine(run: RunConfig, api: ApiConfig) -> None:
-    """A POSTed config writes only under the API's ``output_dir`` and reads local models and
-    datasets only under its ``models_dir``; a 422 naming the field otherwise."""
-    problems: list[tuple[list[str], str]] = []
-    for loc, value in ((["output_dir"], run.output_dir), (["sync", "weights_dir"],
-                                                          run.sync.weights_dir)):  # fmt: skip
-        if value is not None and not _under(value, api.output_dir):
-            problems.append((loc, f"must lie under the API's output_dir {api.output_dir!r}"))
-    from reval.paths import reward_file
-
-    reward = run.task.reward and reward_file(run.task.reward)  # (a module name: installed code)
-    env = run.task.environment and reward_file(run.task.environment)  # (the same forms)
-    for loc, value in ((["model", "name_or_path"], run.model.name_or_path),
-                       (["task", "dataset"], run.task.dataset),
-                       (["task", "reward"], reward or None),
-                       (["task", "environment"], env or None)):  # fmt: skip
-        if value is None or _hub_id(value):
-            continue
-        if api.models_dir is None:
-            problems.append((loc, "must be a hub id (ORG/NAME): this API has no models_dir "
-                             "for local paths"))  # fmt: skip
-        elif not _under(value, api.models_dir):
-            problems.append((loc, "must be a hub id (ORG/NAME) or a path under the API's "
-                             f"models_dir {api.models_dir!r}"))  # fmt: skip
-    if problems:
-        raise HTTPException(422, [{"loc": ["body", "config", *loc], "msg": msg,
-                                   "type": "value_error"} for loc, msg in problems])  # fmt: skip
 
 
 class Store:
@@ -278,11 +228,11 @@ class RunService:
     def events(self, name: str, after: str, count: int) -> list[Event]:
         self.entry(name)
         if after != "-" and not _valid_stream_id(after):
-            raise _invalid(["query", "after"], "not a stream id")
+            raise invalid(["query", "after"], "not a stream id")
         try:
             return [Event(**e) for e in self.store.control(name).events(count=count, after=after)]
         except redis.ResponseError as err:  # an id Redis cannot take (too large)
-            raise _invalid(["query", "after"], str(err)) from None
+            raise invalid(["query", "after"], str(err)) from None
 
     # -- creating and starting -------------------------------------------------------------------
 
@@ -295,8 +245,8 @@ class RunService:
             """A config section given in the body: an object, or a 422 naming it."""
             value = data.get(key, {})
             if not isinstance(value, dict):
-                raise _invalid(["body", "config", key], f"config.{key} must be an object (a "
-                               f"section of the config), got {type(value).__name__}")  # fmt: skip
+                raise invalid(["body", "config", key], f"config.{key} must be an object (a "
+                              f"section of the config), got {type(value).__name__}")  # fmt: skip
             return dict(value)
 
         buffer, redis_section = section("buffer"), section("redis")
@@ -312,8 +262,8 @@ class RunService:
             if name == "redis" and old in buffer:  # (the deprecated name, buffer.<old>)
                 given, loc = buffer.pop(old), ["buffer", old]
             if given != value and given != model.model_fields[key].default:
-                raise _invalid(["body", "config", *loc],
-                               f"this API manages runs with {name}.{key}={value!r}")  # fmt: skip
+                raise invalid(["body", "config", *loc],
+                              f"this API manages runs with {name}.{key}={value!r}")  # fmt: skip
             where[key] = value
         data["buffer"], data["redis"] = buffer, redis_section
         # (a resolved config, as ``reval runs create`` sends, carries the default: the API's)
@@ -324,9 +274,9 @@ class RunService:
         try:
             run_cfg = build_config(data)
         except ConfigError as err:
-            raise _invalid(["body", "config"], str(err)) from None
-        _confine(run_cfg, cfg)
-        _check_user_code(run_cfg, cfg)
+            raise invalid(["body", "config"], str(err)) from None
+        confine(run_cfg, cfg)
+        check_user_code(run_cfg, cfg, run_env(os.environ, cfg))
         return run_cfg
 
     def create(self, body: CreateRun) -> RunInfo:
@@ -499,68 +449,10 @@ class RunService:
 
     def hparams(self, name: str, body: LiveHParams) -> Accepted:
         if not body.set_fields():
-            raise _invalid(["body"], "no hyperparameter given")
+            raise invalid(["body"], "no hyperparameter given")
         self._acting(name, "change", LIVE)
         typed = self.store.control(name).patch(body)
         return Accepted(run=name, action="hparams", detail=typed.set_fields())
-
-
-def _check_user_code(run_cfg: RunConfig, api: ApiConfig) -> None:
-    """``algo.name``: a built-in loss only. ``task.reward`` and ``task.environment``: a file
-    under ``models_dir`` (``_confine`` has checked where it lies), or installed code on the
-    API's list (``reval.plugins.listed``: the
-    built-in graders and ``api.plugins``), by a plain name (no dotted path); each then checked
-    by ``reval.paths.check_isolated`` in a throw-away process (this process imports nothing a
-    client names). ``http_reward``'s URL and ``token_env`` are checked as the grading processes will
-    check them (``rollout.grading.http_guard``). 422s, in lines that repeat nothing an import
-    said."""
-    from reval.config import BUILTIN_ALGORITHMS, BUILTIN_ENVIRONMENTS
-    from reval.paths import check_isolated, reward_file
-    from reval.plugins import BUILTIN_PLUGINS, PluginRefused, canonical_spec, listed, split_spec
-
-    if run_cfg.algo.name not in BUILTIN_ALGORITHMS:  # (a loss is learner code: never over REST)
-        raise _invalid(["body", "config", "algo", "name"],
-                       f"algo.name: a loss of your own ({run_cfg.algo.name}) is not taken over "
-                       f"REST; the built-in ones are {', '.join(BUILTIN_ALGORITHMS)}")  # fmt: skip
-    task = run_cfg.task
-    for field, spec in (("reward", task.reward), ("environment", task.environment)):
-        if spec is None or (field == "environment" and spec in BUILTIN_ENVIRONMENTS):
-            continue
-        loc = ["body", "config", "task", field]
-        module, name = split_spec(spec)
-        if "." in name:
-            raise _invalid(loc, f"task.{field}: name a top-level function (module:name); a "
-                           "dotted path is not taken over REST")  # fmt: skip
-        how = None
-        if reward_file(spec) is None:
-            how = listed(spec, [*BUILTIN_PLUGINS, *api.plugins])
-            if how is None:
-                raise _invalid(loc, f"task.{field}: {module}:{name} is not on this API's "
-                               "plugin list: the built-in graders (rollout.grading.graders:NAME), "
-                               "what the operator lists (api.plugins, reval serve --plugin), "
-                               "or a file.py:name under its models_dir")  # fmt: skip
-        args = task.reward_args if field == "reward" else None
-        try:
-            check_isolated(spec, f"task.{field}", args, own_names_only=how == "module")
-        except PluginRefused as err:
-            raise _invalid(loc, str(err)) from None
-    if task.reward is not None and canonical_spec(task.reward) == HTTP_REWARD:
-        _check_http_reward(task.reward_args, run_env(os.environ, api))
-
-
-HTTP_REWARD = "rollout.grading.graders:http_reward"
-
-
-def _check_http_reward(args: dict[str, Any], env: dict[str, str]) -> None:
-    """``reward_args.url`` and ``token_env`` as the run's grading processes will check them
-    (the same functions, the environment the run will have)."""
-    from rollout.grading.http_guard import RewardUrlRefused, check_target, check_token_env
-
-    try:
-        check_token_env(args.get("token_env"), env)
-        check_target(args.get("url"), env)  # type: ignore[arg-type]
-    except RewardUrlRefused as err:
-        raise _invalid(["body", "config", "task", "reward_args", err.field], str(err)) from None
 
 
 RUN_ENV = (
