@@ -6,7 +6,7 @@ under the same deadline, with the same accounting.
 
 math-verify's timeouts (``signal.alarm``) work only on a process's main thread, so
 ``VerifierPool`` grades in the main thread of worker processes (``spawn`` context), each looping
-over tasks read from its pipe (``grading_worker.worker_main``); the pool's dispatcher thread
+over tasks read from its pipe (``process.worker_main``); the pool's dispatcher thread
 keeps a deadline per answer and SIGKILLs and replaces a worker that passes it (math-verify's
 alarms are per call and in whole seconds, and cannot stop C code that does not return to the
 interpreter). Such an answer scores 0 and counts as an error; a caller never waits on a stuck

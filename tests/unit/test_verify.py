@@ -1,5 +1,5 @@
 """Math grading (rollout/grading/math_grading.py) and the grading pool (rollout/grading/pool.py,
-grading_worker.py): math-verify grading, the worker pool's timeouts, crashes and threads.
+process.py): math-verify grading, the worker pool's timeouts, crashes and threads.
 
 One pool for the module (workers start in ~0.5 s each). The pathological answer is
 ``3^{1000000000}`` against a gold ``2``: sympy's ``Integer._eval_power`` computes 3**10**9 exactly;
