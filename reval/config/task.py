@@ -110,7 +110,7 @@ class TaskConfig(_Section):
     the row is the reward's ``metadata``."""
     reward: str | None = None
     """``custom``: the reward function, ``package.module:function`` or ``path/to/file.py:function``
-    (built-ins: ``rollout.graders:math_boxed``, ``exact_match``, ``regex_format``,
+    (built-ins: ``rollout.grading.graders:math_boxed``, ``exact_match``, ``regex_format``,
     ``code_tests``, ``http_reward``). Called as ``f(prompt, completion, metadata,
     **reward_args)`` in the grading processes; returns a float, or a dict whose ``score`` is the
     reward and whose other numbers are logged components. ``f.batched = True``: called once with
@@ -165,10 +165,10 @@ class TaskConfig(_Section):
     def _reward_spec(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        from reval.plugins import split_spec
+        from reval.plugins import canonical_spec, split_spec
 
         split_spec(value, "function")
-        return value.strip()
+        return canonical_spec(value.strip())  # (a moved module's old name: warned once, here)
 
     @model_validator(mode="after")
     def _custom_needs(self) -> TaskConfig:
@@ -213,7 +213,7 @@ class RolloutConfig(_Section):
     weights_poll_s: float = Field(1.0, gt=0)
     """How often a waiting worker looks for the learner's first weights."""
     verifier_workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
-    """Grading processes per rollout worker (math and custom tasks: ``rollout/grading_pool.py``);
+    """Grading processes per rollout worker (math and custom tasks: ``rollout/grading/pool.py``);
     ``"auto"``: one per CPU the process is given (``reval/threads.py``: its affinity, the
     container's quota, Ray's ``num_cpus``), at most ``MAX_AUTO_GRADERS`` (8): see
     ``grading_processes``."""
@@ -224,7 +224,7 @@ class RolloutConfig(_Section):
     0: none). An answer whose grading needs more fails at once, scores 0 and is counted as
     ``memory`` (``reval_verifier_errors_total``)."""
     sandbox: Literal["bwrap", "unsafe-none"] = "bwrap"
-    """Where model-written code runs (``rollout.graders:code_tests``; ``rollout/sandbox.py``):
+    """Where model-written code runs (``rollout.grading.graders:code_tests``; ``rollout/grading/sandbox.py``):
     ``bwrap``, bubblewrap with no network, its own pid and user namespaces and only the
     interpreter of the host (grading refuses to start, in one line, where bubblewrap cannot
     run); ``unsafe-none``, the operator's explicit choice of no sandbox at all (rlimits and a

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 from pydantic import ValidationError
@@ -96,8 +97,11 @@ def test_the_old_module_of_the_builtin_graders_still_loads_with_a_warning(name: 
         assert listed(old, BUILTIN_PLUGINS) == "name"
     with pytest.warns(FutureWarning):
         assert listed(new, ["rollout.graders:*"]) == "module"  # (an operator's old entry)
-    with pytest.warns(FutureWarning):
-        assert TaskConfig(reward=old, dataset="d.jsonl").reward is not None
+    with pytest.warns(FutureWarning):  # (the config keeps the new spelling: no warning later)
+        assert TaskConfig(reward=old, dataset="d.jsonl").reward == new
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert TaskConfig(reward=new, dataset="d.jsonl").reward == new
 
 
 def test_a_current_spec_warns_nothing() -> None:
