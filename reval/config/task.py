@@ -224,8 +224,8 @@ class RolloutConfig(_Section):
     0: none). An answer whose grading needs more fails at once, scores 0 and is counted as
     ``memory`` (``reval_verifier_errors_total``)."""
     sandbox: Literal["bwrap", "unsafe-none"] = "bwrap"
-    """Where model-written code runs (``rollout.grading.graders:code_tests``; ``rollout/grading/sandbox.py``):
-    ``bwrap``, bubblewrap with no network, its own pid and user namespaces and only the
+    """Where model-written code runs (``rollout.grading.graders:code_tests``;
+    ``rollout/grading/sandbox.py``): ``bwrap``, bubblewrap with no network, its own pid and user namespaces and only the
     interpreter of the host (grading refuses to start, in one line, where bubblewrap cannot
     run); ``unsafe-none``, the operator's explicit choice of no sandbox at all (rlimits and a
     no-fork filter only): it warns at every start and counts each answer as ``unsafe``."""
