@@ -227,8 +227,9 @@ class RolloutConfig(_Section):
     """Where model-written code runs (``rollout.grading.graders:code_tests``;
     ``rollout/grading/sandbox.py``): ``bwrap``, bubblewrap with no network, its own pid and
     user namespaces and only the interpreter of the host (grading refuses to start, in one
-    line, where bubblewrap cannot run); ``unsafe-none``, the operator's explicit choice of no sandbox at all (rlimits and a
-    no-fork filter only): it warns at every start and counts each answer as ``unsafe``."""
+    line, where bubblewrap cannot run); ``unsafe-none``, the operator's explicit choice of no
+    sandbox at all (rlimits and a no-fork filter only): it warns at every start and counts
+    each answer as ``unsafe``."""
     vllm_gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     """``vllm``: fraction of GPU memory vLLM may take (on the CPU backend: of RAM). Default by
     device: 0.85 on a GPU; on the CPU a 1 GiB KV cache (``rollout/vllm_engine.py``)."""
