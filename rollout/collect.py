@@ -16,7 +16,7 @@ from reval.answers import answer_text
 from reval.config import AlgoConfig
 from reval.rewards import RewardVariant, transform_rewards
 from rollout.engines import GenerationEngine, SamplingParams
-from rollout.environment import EpisodeRunner, skipped_counts
+from rollout.environment import Episode, EpisodeRunner, skipped_counts
 from rollout.grading.pool import PooledVerifier
 from rollout.task_types import Prompt, Task, Verifier
 
@@ -80,6 +80,29 @@ def grade_answers(
     reasons = [a.finish_reason for a in answers]
     raw = score_all(task.verifier, pairs, reasons)
     return truncation.apply(raw, reasons, [int(a.token_ids.size) for a in answers])
+
+
+def episode_answers(
+    prompt: Prompt,
+    prompt_ids: Sequence[int],
+    group: str,
+    episodes: Sequence[Episode],
+    version: int,
+    truncation: Truncation,
+) -> tuple[list[Answer], list[float]]:
+    """The answers of one prompt's played episodes and their raw rewards (the environment's,
+    ``truncation`` applied, no length penalty); those whose environment misbehaved are left out.
+    ``version`` sampled an episode unless its ``spans`` say otherwise (the streaming loop's)."""
+    answers, raw = [], []
+    for e in episodes:
+        if e.error is None:
+            ids, lps, mask = e.arrays()
+            spans = np.asarray(e.spans, dtype=np.int32) if e.spans else _NO_SPANS
+            first = int(spans[1]) if spans.size else version
+            answers.append(Answer(prompt, prompt_ids, group, ids, lps, e.finish_reason, first,
+                                  mask, spans=spans, turns=e.turns))  # fmt: skip
+            raw.append(e.reward)
+    return answers, truncation.apply(raw, [a.finish_reason for a in answers], None)
 
 
 def build_records(
@@ -198,14 +221,10 @@ def collect_round(
         skipped = skipped_counts(played)
         raw = []
         for i, (prompt, eps) in enumerate(zip(prompts, played, strict=True)):
-            for e in eps:
-                if e.error is None:
-                    ids, lps, mask = e.arrays()
-                    key = f"{group_prefix}-{i}"
-                    answers.append(Answer(prompt, prompt_ids[i], key, ids, lps, e.finish_reason,
-                                          version, mask, turns=e.turns))  # fmt: skip
-                    raw.append(e.reward)
-        raw = truncation.apply(raw, [a.finish_reason for a in answers], None)
+            got, rewards = episode_answers(prompt, prompt_ids[i], f"{group_prefix}-{i}", eps,
+                                           version, truncation)  # fmt: skip
+            answers += got
+            raw += rewards
     verify_s = time.perf_counter() - t0
     trajectories = build_records(answers, raw, reward_variant, worker_id=worker_id, run_id=run_id)
     tokens = sum(int(a.action_mask.sum()) if a.action_mask.size else int(a.token_ids.size)

@@ -40,8 +40,9 @@ class Sample:
 
 
 class GenerationEngine(Protocol):
-    """What a rollout worker uses of an engine (lockstep: ``generate``); a streaming worker's
-    engine is a ``StreamEngine`` too."""
+    """What ``reval train``, evaluation and every engine offer: ``generate`` a batch. The
+    rollout worker drives a ``StreamEngine`` (an engine that is not one, the HF engine, is put
+    behind ``LockstepStream``: ``as_stream``)."""
 
     policy_version: int
     receiver: WeightReceiver
@@ -87,8 +88,8 @@ class Finished:
 
 @runtime_checkable
 class StreamEngine(GenerationEngine, Protocol):
-    """What ``rollout.streaming.Streamer`` needs of an engine besides ``GenerationEngine``
-    (``VLLMEngine``'s streaming methods)."""
+    """What ``rollout.streaming.Streamer`` (the worker's one loop) needs of an engine besides
+    ``GenerationEngine``: ``VLLMEngine``'s streaming methods, or ``LockstepStream``'s."""
 
     inflight: InflightMode
 
@@ -111,6 +112,83 @@ class StreamEngine(GenerationEngine, Protocol):
     def resume(self) -> None:
         """Go on with the frozen answers."""
         ...
+
+
+class LockstepStream:
+    """A ``GenerationEngine`` with the face of a ``StreamEngine`` (the HF engine's, so that one
+    worker loop drives every engine): ``submit`` queues a request, ``step`` generates every
+    request queued since the last step in one ``generate`` call (one batch: how a batched
+    engine samples fastest) and finishes them all. Nothing is ever running between two steps,
+    so weights always load with the engine empty: ``inflight`` has nothing to do."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+        self.inflight: InflightMode = "finish"
+        self._queued: list[tuple[str, list[int], SamplingParams, int]] = []
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self.engine.policy_version = version
+
+    @property
+    def receiver(self) -> WeightReceiver:
+        return self.engine.receiver
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.engine.stop_ids
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+    ) -> list[list[Sample]]:
+        return self.engine.generate(prompts, params, seed)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        self.engine.load_weights(named_tensors, version)
+
+    def submit(self, key: str, prompt: Sequence[int], params: SamplingParams, seed: int) -> None:
+        self._queued.append((key, list(prompt), params, seed))
+
+    def step(self) -> list[Finished]:
+        """Every queued request, one ``generate`` call per distinct ``SamplingParams`` (seeded
+        by its first request's seed), under the weights held now."""
+        batches: dict[SamplingParams, list[tuple[str, list[int], SamplingParams, int]]] = {}
+        for request in self._queued:
+            batches.setdefault(request[2], []).append(request)
+        self._queued = []
+        done = []
+        for params, requests in batches.items():
+            version = self.engine.policy_version
+            out = self.engine.generate([r[1] for r in requests], params, requests[0][3])
+            span = np.array([0, version], dtype=np.int32)
+            done += [Finished(r[0], samples, [span.copy() for _ in samples])
+                     for r, samples in zip(requests, out, strict=True)]  # fmt: skip
+        return done
+
+    def running(self) -> int:
+        return sum(r[2].n for r in self._queued)
+
+    def pause(self) -> None:
+        """Nothing runs between two steps."""
+
+    def resume(self) -> None:
+        """Nothing runs between two steps."""
+
+
+def as_stream(engine: GenerationEngine) -> StreamEngine:
+    """``engine`` itself when it streams (vLLM), else behind a ``LockstepStream``."""
+    return engine if isinstance(engine, StreamEngine) else LockstepStream(engine)
 
 
 def top_p_filter(logits: Tensor, top_p: float) -> Tensor:

@@ -117,6 +117,9 @@ class Episode:
     finish_reason: FinishReason = "length"
     error: EpisodeError | None = None
     """Why it was left out (its environment misbehaved)."""
+    spans: list[int] = field(default_factory=list)
+    """``[start, version, ...]`` over ``tokens``: the weights that sampled the model's turns
+    (the streaming loop's; empty where one version played the whole episode)."""
 
     @property
     def live(self) -> bool:
@@ -156,7 +159,7 @@ def run_episodes(
     """``params.n`` episodes per prompt, every live one advanced one turn per engine call.
     Episodes whose environment misbehaved are returned with ``error`` set (and logged)."""
     episodes = [
-        [_start(factory, prompt, ids) for _ in range(params.n)]
+        [start_episode(factory, prompt, ids) for _ in range(params.n)]
         for prompt, ids in zip(prompts, prompt_ids, strict=True)
     ]
     flat = [e for group in episodes for e in group]
@@ -172,14 +175,16 @@ def run_episodes(
         samples = engine.generate(contexts, turn_params, seed + 7919 * turn)
         last = turn == limits.max_turns - 1
         for e, (sample,) in zip(live, samples, strict=True):
-            _advance(e, sample, tokenizer, engine.stop_ids, limits, last)
+            advance_episode(e, sample, tokenizer, engine.stop_ids, limits, last)
     for e in flat:
         if e.error is not None:
             log.warning("episode skipped (%s): %s", e.error.reason, e.error)
     return episodes
 
 
-def _start(factory: EnvironmentFactory, prompt: Prompt, ids: Sequence[int]) -> Episode:
+def start_episode(factory: EnvironmentFactory, prompt: Prompt, ids: Sequence[int]) -> Episode:
+    """A new episode of ``prompt`` (one whose environment failed to start comes back over,
+    with ``error`` set)."""
     try:
         env = factory()
         env.start(prompt)
@@ -189,7 +194,7 @@ def _start(factory: EnvironmentFactory, prompt: Prompt, ids: Sequence[int]) -> E
     return Episode(list(ids), env)
 
 
-def _advance(
+def advance_episode(
     e: Episode,
     sample: Any,
     tokenizer: Any,
@@ -231,6 +236,13 @@ def _advance(
     e.tokens += obs
     e.logprobs += [0.0] * len(obs)
     e.mask += [0] * len(obs)
+
+
+def turn_params(e: Episode, params: SamplingParams, limits: EpisodeLimits) -> SamplingParams:
+    """The sampling parameters of ``e``'s next turn on its own (the streaming loop's): one
+    answer, at most the tokens the episode has room for."""
+    room = limits.max_tokens - len(e.tokens)
+    return dataclasses.replace(params, n=1, max_new_tokens=max(1, min(params.max_new_tokens, room)))
 
 
 def skipped_counts(episodes: Sequence[Sequence[Episode]]) -> dict[str, int]:

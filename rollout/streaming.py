@@ -1,26 +1,33 @@
-"""Streaming rollouts: the engine never waits for a batch's longest answer, and new weights load
-between two decode steps.
+"""The rollout worker's one loop: the engine never waits for a batch's longest answer, and new
+weights load between two decode steps.
 
-The lockstep worker (``RolloutWorker`` with ``rollout.streaming = false``, and always with the
-HF engine) deals a batch of prompts, waits for the batch's longest answer, grades the batch,
-inserts it and only then looks for new weights. ``Streamer`` instead keeps up to
-``rollout.max_inflight`` answers in a running engine: it admits a prompt from the deal (its ``n``
-answers, one request) whenever that many slots are free, hands each prompt's group to a grading
-thread as soon as its last answer finishes (grading overlaps generation; the group is inserted
-at once), and loads a new weight version as soon as it is announced (``rollout.inflight_updates``):
+``Streamer`` keeps up to ``rollout.max_inflight`` answers in a running engine: it admits a prompt
+from the deal (its ``n`` answers, one request) whenever that many slots are free, hands each
+prompt's group to a grading thread as soon as its last answer finishes (grading overlaps
+generation; the group is inserted at once), and loads a new weight version as soon as it is
+announced (``rollout.inflight_updates``):
 
 - ``keep``: pause the engine between two steps, load, resume the running answers with their KV
   cache (computed under the older weights);
 - ``recompute``: the same, but the running answers' KV cache is computed again under the new
   weights (their prompt and tokens so far are prefilled again);
-- ``finish``: today's behaviour: stop admitting, let the answers in the engine finish on the old
-  weights, load, admit again.
+- ``finish``: stop admitting, let the answers in the engine finish on the old weights, load,
+  admit again.
+
+``lockstep`` (``rollout.streaming = false``, and every engine that does not stream: the HF
+engine behind ``rollout.engines.LockstepStream``, whose step generates everything submitted in
+one batch) admits only with the engine empty and the grading done: batches of
+``max_inflight // n`` prompts, weights loaded between them. With ``episodes``
+(``task.environment``) a prompt's group is ``n`` multi-turn episodes: each turn is a request of
+its own (the episode's context so far, one answer), the environment steps as the turn finishes,
+and the group goes to grading when its last episode ends; each episode says which weight
+versions sampled its turns.
 
 Every answer says which versions sampled its tokens (``Trajectory.version_spans``, from vLLM's
 own per-token weight-version labels); its behaviour log-probs are those of the weights that
 sampled each token. The engine is anything with the ``StreamEngine`` methods
-(``rollout/engines.py``: ``VLLMEngine``; the unit tests' fake). ``Streamer`` runs in one thread,
-the only one that calls the engine.
+(``rollout/engines.py``: ``VLLMEngine``, ``LockstepStream``; the unit tests' fake). ``Streamer``
+runs in one thread, the only one that calls the engine.
 """
 
 from __future__ import annotations
@@ -41,8 +48,16 @@ from transformers import PreTrainedTokenizerBase
 from buffer.records import Trajectory
 from reval.rewards import RewardVariant
 from reval.weights.receiver import WeightSubscriber
-from rollout.collect import Answer, Truncation, build_records, grade_answers
-from rollout.engines import InflightMode, Sample, SamplingParams, StreamEngine
+from rollout.collect import Answer, Truncation, build_records, episode_answers, grade_answers
+from rollout.engines import Finished, InflightMode, Sample, SamplingParams, StreamEngine
+from rollout.environment import (
+    Episode,
+    EpisodeRunner,
+    advance_episode,
+    skipped_counts,
+    start_episode,
+    turn_params,
+)
 from rollout.tasks import Prompt, Task
 
 log = logging.getLogger("reval.streaming")
@@ -124,6 +139,28 @@ class Group:
     spans: list[np.ndarray]
     submitted: float
     """``time.monotonic()`` when it entered the engine."""
+    episodes: list[Episode] | None = None
+    """Multi-turn (``task.environment``): the prompt's played episodes (``samples`` and
+    ``spans`` empty)."""
+
+    def skipped(self) -> dict[str, int]:
+        """Episodes left out because their environment misbehaved, by reason."""
+        return skipped_counts([self.episodes]) if self.episodes else {}
+
+
+@dataclass
+class _Open:
+    """A prompt in the engine: its ``n`` answers (one request), or its ``n`` episodes (one
+    request per live episode's turn)."""
+
+    prompt: Prompt
+    ids: list[int]
+    params: SamplingParams
+    submitted: float
+    seed: int
+    episodes: list[Episode] | None = None
+    live: int = 0
+    """Episodes not over yet."""
 
 
 @dataclass
@@ -178,6 +215,9 @@ class Streamer:
         seed: int = 0,
         key_prefix: str = "g",
         max_graded_behind: int | None = None,
+        episodes: EpisodeRunner | None = None,
+        lockstep: bool = False,
+        on_step: Callable[[float], None] | None = None,
         weights_check_s: float = WEIGHTS_CHECK_S,
         control_s: float = CONTROL_S,
         load_retry_s: float = LOAD_RETRY_S,
@@ -199,8 +239,14 @@ class Streamer:
         self.seed = seed
         self.key_prefix = key_prefix
         self.stats = StreamStats()
-        self._open: dict[str, tuple[Prompt, list[int], int, float]] = {}
-        """Requests in the engine: key -> (prompt, prompt ids, answers, submitted at)."""
+        self.episodes = episodes
+        self.lockstep = lockstep
+        """Admit only with the engine empty and the grading done (``rollout.streaming =
+        false``: batches of ``max_inflight // n`` prompts, weights loaded between them)."""
+        self.on_step = on_step
+        """Called with each engine step's seconds (the worker's thread tuner, lockstep)."""
+        self._open: dict[str, _Open] = {}
+        """Prompts in the engine, by key."""
         self._slots = 0
         self._grading = ThreadPoolExecutor(1, thread_name_prefix="grading")
         self._pending: deque[Future[None]] = deque()
@@ -255,6 +301,7 @@ class Streamer:
                     and not self._hold
                     and now >= next_ask
                     and self._room(max_groups) > 0
+                    and not (self.lockstep and (self.engine.running() or self._pending))
                 ):
                     if may_admit():
                         self._admit(deal, max_groups)
@@ -268,8 +315,8 @@ class Streamer:
                     time.sleep(IDLE_S)
                     self.stats.idle_s += time.monotonic() - now
                 self._reap(block=len(self._pending) > self.max_graded_behind)
-        except BaseException:
-            self.close(quiet=True)  # (the error in hand is the first: later ones are logged)
+        except BaseException as err:
+            self.close(raised=err)  # (the error in hand is the first: later ones are logged)
             raise
         self.close()
         return self.stats
@@ -291,10 +338,62 @@ class Streamer:
             if params.n != self.n:
                 raise ValueError(f"params_for gave n={params.n}, the streamer runs n={self.n}")
             key = f"{self.key_prefix}-{self.stats.submitted}"
-            self.engine.submit(key, ids, params, _seed(self.seed, self.stats.submitted))
-            self._open[key] = (prompt, ids, params.n, time.monotonic())
+            seed = _seed(self.seed, self.stats.submitted)
+            opened = self._open[key] = _Open(prompt, ids, params, time.monotonic(), seed)
             self._slots += params.n
             self.stats.submitted += 1
+            if self.episodes is None:
+                self.engine.submit(key, ids, params, seed)
+                continue
+            opened.episodes = [start_episode(self.episodes.factory, prompt, ids)
+                               for _ in range(params.n)]  # fmt: skip
+            for i, e in enumerate(opened.episodes):
+                if e.live:
+                    opened.live += 1
+                    self._turn(key, i, e)
+            if not opened.live:  # (no environment started)
+                self._finish(key)
+
+    def _turn(self, key: str, i: int, e: Episode) -> None:
+        """Submit episode ``i`` of prompt ``key``'s next turn: its context so far, alone."""
+        assert self.episodes is not None
+        opened = self._open[key]
+        params = turn_params(e, opened.params, self.episodes.limits)
+        seed = _seed(opened.seed, 1 + i + self.n * e.turns)
+        self.engine.submit(f"{key}/{i}/{e.turns}", e.prompt_ids + e.tokens, params, seed)
+
+    def _played(self, f: Finished) -> str | None:
+        """A turn finished: the episode advanced (its environment's step), its next turn
+        submitted; the prompt's key when that was its last live episode."""
+        assert self.episodes is not None
+        key, i, _turn = f.key.rsplit("/", 2)
+        opened = self._open[key]
+        assert opened.episodes is not None
+        e = opened.episodes[int(i)]
+        (sample,), (spans,) = f.samples, f.spans
+        start, limits = len(e.tokens), self.episodes.limits
+        advance_episode(e, sample, self.tokenizer, self.engine.stop_ids, limits,
+                        last=e.turns == limits.max_turns - 1)  # fmt: skip
+        kept = min(len(sample.token_ids), limits.max_tokens - start)  # (the turn as kept)
+        for at, version in zip(spans[0::2].tolist(), spans[1::2].tolist(), strict=True):
+            if at < kept and (not e.spans or e.spans[-1] != version):
+                e.spans += [start + at, version]
+        if e.live:
+            self._turn(key, int(i), e)
+            return None
+        opened.live -= 1
+        return key if opened.live == 0 else None
+
+    def _finish(self, key: str) -> None:
+        """Prompt ``key`` is done: its group goes to grading."""
+        opened = self._open.pop(key)
+        self._slots -= opened.params.n
+        self.stats.finished += 1
+        for e in opened.episodes or ():
+            if e.error is not None:
+                log.warning("episode skipped (%s): %s", e.error.reason, e.error)
+        group = Group(key, opened.prompt, opened.ids, [], [], opened.submitted, opened.episodes)
+        self._pending.append(self._grading.submit(self._grade, group))
 
     def _step(self) -> None:
         t0 = time.monotonic()
@@ -306,17 +405,23 @@ class Streamer:
         s.step_s += t1 - t0
         s.max_step_s = max(s.max_step_s, t1 - t0)
         s.occupancy_s += (t1 - t0) * min(1.0, running / self.max_inflight)
+        if self.on_step is not None:
+            self.on_step(t1 - t0)
         if self._sampled_under_new:
             self._sampled_under_new = False
             if self._announced_at is not None:
                 s.update_delays.append(t1 - self._announced_at)
             self._announced_at = None
         for f in done:
-            prompt, ids, n, t_sub = self._open.pop(f.key)
-            self._slots -= n
-            s.finished += 1
             s.tokens += sum(int(x.token_ids.size) for x in f.samples)
-            group = Group(f.key, prompt, ids, f.samples, f.spans, t_sub)
+            if self.episodes is not None:
+                if (key := self._played(f)) is not None:
+                    self._finish(key)
+                continue
+            opened = self._open.pop(f.key)
+            self._slots -= opened.params.n
+            s.finished += 1
+            group = Group(f.key, opened.prompt, opened.ids, f.samples, f.spans, opened.submitted)
             self._pending.append(self._grading.submit(self._grade, group))
 
     def _grade(self, group: Group) -> None:
@@ -330,24 +435,30 @@ class Streamer:
             self._pending.popleft().result()
             block = False
 
-    def close(self, quiet: bool = False) -> None:
+    def close(self, raised: BaseException | None = None) -> None:
         """Wait for all the grading in hand, release the grading thread. The first grading
-        error (in finishing order) raises and the later ones are logged; ``quiet`` (an error
-        is already on its way up): every one is logged."""
-        first: BaseException | None = None
+        error (in finishing order) raises, unless one is on its way up already (``raised``);
+        the later ones are logged, those that repeat the first (say, every group's insert
+        refused by a corrupt ring) counted in one line."""
+        first, repeats = raised, 0
         try:
             while self._pending:
                 try:
                     self._pending.popleft().result()
                 except Exception as err:
-                    if first is None and not quiet:
+                    if first is None:
                         first = err
+                    elif type(err) is type(first) and str(err) == str(first):
+                        repeats += 1
                     else:
                         log.error("streaming: grading error after the first: %s: %s",
                                   type(err).__name__, err)  # fmt: skip
         finally:
             self._grading.shutdown(wait=True)
-        if first is not None:
+        if repeats:
+            log.error("streaming: %d more group(s) failed as the first did (%s)", repeats,
+                      type(first).__name__)  # fmt: skip
+        if first is not None and raised is None:
             raise first
 
     # -- weights ----------------------------------------------------------------------------
@@ -422,9 +533,14 @@ def group_records(
 ) -> tuple[list[Trajectory], list[float]]:
     """One finished group graded (the task's verifier on each answer's text cut at
     ``stop_ids``, the engine's stop set; ``truncation`` on answers cut at the token limit: as
-    ``collect_round`` does) and reward-transformed: its records and raw scores. A record's
-    ``policy_version`` is its first (oldest) version; ``version_spans`` is set only when more
-    than one version sampled it."""
+    ``collect_round`` does; a group of episodes: its environments' rewards) and
+    reward-transformed: its records and raw scores. A record's ``policy_version`` is its first
+    (oldest) version; ``version_spans`` is set only when more than one version sampled it."""
+    if group.episodes is not None:
+        answers, raw = episode_answers(group.prompt, group.prompt_ids, group.key, group.episodes,
+                                       0, truncation or Truncation())  # fmt: skip
+        records = build_records(answers, raw, reward_variant, worker_id=worker_id, run_id=run_id)
+        return records, raw
     answers = [
         Answer(group.prompt, group.prompt_ids, group.key, s.token_ids, s.logprobs, s.finish_reason,
                int(spans[1]), spans=spans)

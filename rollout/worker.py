@@ -2,21 +2,22 @@
 learner process, is ``learner/service.py``).
 
 It registers itself in Redis with a heartbeat, waits until the learner has announced weights,
-then loops: take prompts from the shared deal, generate N answers each, verify them, transform the
-rewards per group, tag every trajectory with its policy version and push the batch into the
-replay service. Between batches it loads newer weights through its ``WeightSubscriber``
-(``reval/weights/receiver.py``: the broadcast or the announced file, whichever is newer). It never
-waits for the learner (pushes go through the replay client's retries and spool), survives a Redis
-restart, and on SIGTERM/SIGINT finishes the batch in hand, pushes it, deregisters and exits 0. It
-leaves the same way, with one line, when the run is over: its learner reported it ``done`` or
-``stopped`` (the run's status, read every ``RUN_END_CHECK_S``) after this worker started, or the
-run's control says ``stopping``. Its long waits (the engine's start, the first weights) say what
-they wait for at once and every ``PROGRESS_S``.
-
-That is the lockstep loop (the HF engine; a vLLM worker with ``rollout.streaming = false``). A
-vLLM worker streams by default (``_stream``, ``rollout/streaming.py``): answers are admitted as
-others finish, each group is graded and pushed when done, and weights load between two decode
-steps.
+then runs one loop for every engine (``rollout/streaming.py``'s ``Streamer``): it takes prompts
+from the shared deal, generates N answers each (or N multi-turn episodes, ``task.environment``),
+grades each prompt's group as soon as it is done, transforms its rewards, tags every trajectory
+with the policy versions that sampled it and pushes the group into the replay service. A
+streaming engine (vLLM) keeps answers in flight and loads newer weights between two decode
+steps; with ``rollout.streaming = false``, and always for an engine that does not stream (the HF
+engine, behind ``rollout.engines.LockstepStream``), it admits ``worker_prompts`` prompts at a
+time with the engine empty: lockstep batches, weights loaded between them through its
+``WeightSubscriber`` (``reval/weights/receiver.py``: the broadcast or the announced file,
+whichever is newer). It never waits for the learner (pushes go through the replay client's
+retries and spool), survives a Redis restart, and on SIGTERM/SIGINT finishes the answers in
+hand, pushes them, deregisters and exits 0. It leaves the same way, with one line, when the run
+is over: its learner reported it ``done`` or ``stopped`` (the run's status, read every
+``RUN_END_CHECK_S``) after this worker started, or the run's control says ``stopping``. Its long
+waits (the engine's start, the first weights) say what they wait for at once and every
+``PROGRESS_S``.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ from reval.threads import apply as apply_threads
 from reval.threads import budget as thread_budget
 from reval.threads import tick as thread_tick
 from reval.weights.receiver import build_subscriber
-from rollout.collect import Truncation, collect_round
+from rollout.collect import Truncation
 from rollout.dealer import PromptDealer
-from rollout.engines import SamplingParams, StreamEngine
+from rollout.engines import SamplingParams, as_stream
 from rollout.environment import EpisodeRunner
 from rollout.generators import build_engine
+from rollout.streaming import Group, Streamer, SubscriberSource, group_records
 from rollout.tasks import Task, build_task
 
 log = logging.getLogger("reval.rollout")
@@ -143,17 +145,18 @@ class RolloutMetrics:
 @dataclass
 class WorkerStats:
     batches: int = 0
+    """Groups (one prompt's answers or episodes) graded and inserted; ``max_batches`` counts
+    lockstep batches of ``worker_prompts`` groups, or streaming groups."""
     trajectories: int = 0
     tokens: int = 0
     weight_loads: int = 0
     versions: dict[int, int] = field(default_factory=dict)
-    """Per weight version, the batches (streaming: groups) it sampled tokens of: one entry per
-    version, not per batch."""
+    """Per weight version, the groups it sampled tokens of."""
     weight_wait_s: float = 0.0
     """Time spent blocked waiting for weights (only before the first load: after it the worker
     generates with what it has and takes newer weights between batches)."""
     busy_s: float = 0.0
-    """Time in batches (generate, grade, push)."""
+    """Time generating, grading and pushing (not waiting to admit or for weights)."""
     started: float = field(default_factory=time.monotonic)
 
 
@@ -180,7 +183,9 @@ class RolloutWorker:
         """The run's status when this worker started, if it had ended then (a learner run before
         this worker): not a reason to exit; a later end is (``_run_ended``)."""
         with _saying(f"worker {self.worker_id}: starting the {cfg.rollout.engine} engine"):
-            self.engine, self.tokenizer = build_engine(cfg, cfg.seed, self.worker_id)
+            engine, self.tokenizer = build_engine(cfg, cfg.seed, self.worker_id)
+        self.engine = as_stream(engine)
+        """The engine as the loop drives it (the HF engine behind ``LockstepStream``)."""
         self.task: Task = build_task(
             cfg.task, cfg.seed, self.tokenizer, cfg.rollout, self.metrics.registry
         )
@@ -417,6 +422,8 @@ class RolloutWorker:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self, max_batches: int | None = None) -> WorkerStats:
+        """Register, wait for the first weights, then generate until stopped (``max_batches``:
+        at most that many batches, streaming: groups)."""
         self._register("starting")
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeat.start()
@@ -425,32 +432,7 @@ class RolloutWorker:
                 return self.stats
             self._task_setup()
             self._register("running")
-            n_prompts = self.cfg.rollout.worker_prompts or self.cfg.rollout.prompts_per_round
-            if self.cfg.rollout.streams() and self.episodes is None:
-                self._stream(n_prompts, max_batches)
-                return self.stats
-            while not self.stop.is_set():
-                self.last_tick = time.monotonic()
-                if max_batches is not None and self.stats.batches >= max_batches:
-                    break
-                if not self._follow_control():
-                    break
-                if self.idle:
-                    self.stop.wait(0.2)
-                    continue
-                if self._load():
-                    self._register()
-                if self._ahead():
-                    t_wait = time.monotonic()
-                    self._say_waiting(t_wait)
-                    self.stop.wait(0.05)
-                    self.metrics.ahead_wait.inc(time.monotonic() - t_wait)
-                    continue
-                self._waiting_since = None
-                t0 = time.monotonic()
-                self._batch(n_prompts)
-                self.stats.busy_s += time.monotonic() - t0
-                thread_tick(time.monotonic() - t0, "batch")  # (the thread tuner: reval/threads.py)
+            self._stream(max_batches)
         except Exception as err:
             if not cut_short(err):
                 raise
@@ -461,12 +443,15 @@ class RolloutWorker:
             self.shutdown()
         return self.stats
 
-    def _stream(self, n_prompts: int, max_groups: int | None) -> None:
-        """The streaming loop (``rollout/streaming.py``; multi-turn episodes run lockstep): a
-        "batch" is one prompt's group, graded and inserted as soon as its answers are done."""
-        from rollout.streaming import Group, Streamer, SubscriberSource, group_records
-
+    def _stream(self, max_batches: int | None) -> None:
+        """The one loop (``rollout/streaming.py``'s ``Streamer``, for every engine and for
+        multi-turn episodes): a "batch" is one prompt's group, graded and inserted as soon as
+        its answers are done. ``rollout.streaming = false`` (and every engine that does not
+        stream, the HF engine) admits ``worker_prompts`` prompts at a time, with the engine
+        empty: lockstep batches, weights loaded between them."""
         r = self.cfg.rollout
+        n_prompts = r.worker_prompts or r.prompts_per_round
+        lockstep = not r.streams()
 
         def on_group(group: Group) -> None:  # (the grading thread)
             t0 = time.perf_counter()
@@ -476,8 +461,14 @@ class RolloutWorker:
                 worker_id=self.worker_id, run_id=self.cfg.name,
             )  # fmt: skip
             verify_s = time.perf_counter() - t0
+            if skipped := group.skipped():
+                log.warning("worker %s: episodes skipped (their environment misbehaved): %s",
+                            self.worker_id, skipped)  # fmt: skip
+                for reason, n in skipped.items():
+                    self.metrics.episodes_skipped.labels(reason=reason).inc(n)
             self.ring.insert(records)  # never waits for the learner; spools if needed
-            tokens = sum(int(t.response_ids.size) for t in records)
+            tokens = sum(int(t.action_mask.sum()) if t.action_mask.size else
+                         int(t.response_ids.size) for t in records)  # fmt: skip
             gen_s = max(time.monotonic() - group.submitted - verify_s, 0.0)
             self._counted(records, tokens, sum(raw) / max(len(raw), 1), gen_s, verify_s)
 
@@ -508,21 +499,22 @@ class RolloutWorker:
             self._waiting_since = None
             return True
 
-        engine = self.engine
-        if not isinstance(engine, StreamEngine):  # (the config allows streaming with vLLM only)
-            raise TypeError(f"rollout.streaming needs a streaming engine, not {type(engine)}")
         streamer = Streamer(
-            engine,
+            self.engine,
             self.tokenizer,
             lambda _prompt: self.params,
             on_group,
             n=r.n,
-            max_inflight=r.max_inflight or n_prompts * r.n,
-            inflight=r.inflight_updates,
+            max_inflight=n_prompts * r.n if lockstep else r.max_inflight or n_prompts * r.n,
+            inflight="finish" if lockstep else r.inflight_updates,
             weights=SubscriberSource(self.weights, load),
             seed=zlib.crc32(f"{self.cfg.seed}/{self.worker_id}".encode()) & 0x7FFFFFFF,
             key_prefix=f"{self.worker_id}-{uuid.uuid4().hex[:6]}",  # (group ids: one run's own)
+            episodes=self.episodes,
+            lockstep=lockstep,
+            on_step=(lambda s: thread_tick(s, "batch")) if lockstep else None,  # (reval/threads.py)
         )
+        max_groups = None if max_batches is None else max_batches * (n_prompts if lockstep else 1)
         t0 = time.monotonic()
         stats = streamer.run(lambda k: [p for _, p in self.dealer.take(k)], should_stop,
                              may_admit, max_groups)  # fmt: skip
@@ -562,40 +554,9 @@ class RolloutWorker:
         ``algo.overlong_penalty_tokens``)."""
         return Truncation.from_config(self.cfg.algo, self.params.max_new_tokens)
 
-    def _batch(self, n_prompts: int) -> None:
-        dealt = self.dealer.take(n_prompts)
-        prompts = [p for _, p in dealt]
-        tag = f"{self.cfg.seed}/{self.worker_id}/{self.stats.batches}".encode()
-        seed = zlib.crc32(tag) & 0x7FFFFFFF  # stable across processes, unlike hash()
-        t0 = time.perf_counter()
-        result = collect_round(
-            self.engine,
-            self.tokenizer,
-            self.task,
-            prompts,
-            self.params,
-            seed=seed,
-            reward_variant=self.cfg.algo.reward,
-            group_prefix=f"{self.worker_id}-{self.stats.batches}",
-            run_id=self.cfg.name,
-            worker_id=self.worker_id,
-            episodes=self.episodes,
-            truncation=self._truncation(),
-        )
-        if result.episodes_skipped:
-            log.warning("worker %s: episodes skipped (their environment misbehaved): %s",
-                        self.worker_id, result.episodes_skipped)  # fmt: skip
-            for reason, n in result.episodes_skipped.items():
-                self.metrics.episodes_skipped.labels(reason=reason).inc(n)
-        seconds = time.perf_counter() - t0
-        self.ring.insert(result.trajectories)  # never waits for the learner; spools if needed
-        self._counted(result.trajectories, result.tokens, result.reward_mean,
-                      max(0.0, seconds - result.verify_s), result.verify_s)  # fmt: skip
-
     def _counted(self, records: list[Trajectory], tokens: int, reward_mean: float, gen_s: float,
                  verify_s: float) -> None:  # fmt: skip
-        """A batch (the lockstep loop's) or a group (the streaming loop's) inserted: the
-        worker's stats and metrics, the same for both loops. Rates are over its generation and
+        """A group inserted: the worker's stats and metrics. Rates are over its generation and
         grading time together."""
         self.stats.batches += 1
         self.stats.trajectories += len(records)

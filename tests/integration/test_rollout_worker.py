@@ -183,7 +183,8 @@ def test_worker_process_pushes_valid_records(tmp_path, redis_url, redis_prefix):
     out, err = p.communicate(timeout=180)
     assert p.returncode == 0, err
     s = summary(out)
-    assert s["batches"] == 2 and s["trajectories"] == 80 and s["versions"] == [0]
+    # (two lockstep batches of 10 prompts: 20 groups of 4 answers)
+    assert s["batches"] == 20 and s["trajectories"] == 80 and s["versions"] == [0]
     items = ring_of(cfg).items()
     assert len(items) == 80
     for t in items:
@@ -267,7 +268,7 @@ def test_worker_waits_for_the_learners_weights(tmp_path, redis_url, redis_prefix
     stats = worker.run(max_batches=1)
     timer.join()
     assert time.monotonic() - t0 >= 0.7
-    assert stats.versions == {3: 1}
+    assert stats.versions == {3: 2}  # (one batch: two groups, both sampled by version 3)
     waited = worker.metrics.registry.get_sample_value("reval_rollout_weight_wait_seconds_total")
     assert waited >= 0.7
 
@@ -425,7 +426,7 @@ def test_math_worker_grades_in_the_process_pool(tmp_path, redis_url, redis_prefi
     assert stats.trajectories == 24
     r = worker.metrics.registry
     assert r.get_sample_value("reval_verifier_answers_total") >= 26
-    assert r.get_sample_value("reval_rollout_verify_seconds_count") == 1
+    assert r.get_sample_value("reval_rollout_verify_seconds_count") == 6  # (one per group)
     assert len(ring_of(cfg).items()) == 24
 
 

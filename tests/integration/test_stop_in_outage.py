@@ -147,19 +147,19 @@ import runpy, sys, time
 from pathlib import Path
 import rollout.worker as w
 hold, held = Path(sys.argv[1]), Path(sys.argv[2])
-generate = w.collect_round
-def collect_round(*args, **kwargs):
-    result = generate(*args, **kwargs)
-    while hold.exists():  # (the test stops Redis meanwhile: this batch's insert meets it)
+graded = w.group_records
+def group_records(*args, **kwargs):
+    result = graded(*args, **kwargs)
+    while hold.exists():  # (the test stops Redis meanwhile: this group's insert meets it)
         held.touch()
         time.sleep(0.05)
     return result
-w.collect_round = collect_round
+w.group_records = group_records
 sys.argv = ["services.cli", *sys.argv[3:]]
 runpy.run_module("services.cli", run_name="__main__")
 """
-"""The worker's CLI with a batch held between its generation and its insert while a ``hold``
-file exists (it touches ``held`` then): Redis stops while a batch is in hand, every time. (The
+"""The worker's CLI with a group held between its grading and its insert while a ``hold``
+file exists (it touches ``held`` then): Redis stops while a group is in hand, every time. (The
 test before stopped Redis at a moment of its own: when the worker was between batches, its next
 call waited for Redis and no batch was in hand, so the spool was empty: one CI failure.)"""
 
