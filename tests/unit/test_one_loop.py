@@ -20,7 +20,7 @@ from rollout.engines import (
 )
 from rollout.streaming import Group, Streamer, group_records
 from tests.unit.test_environment import EOS, PAD, PROMPT, RUNNER, TOK, ScriptedLM, _Task
-from tests.unit.test_streaming import N, FakeEngine, FakeTokenizer, dealer, prompts
+from tests.unit.test_streaming import FakeEngine, FakeTokenizer, N, dealer, prompts
 
 CALC = ["<calc>3*4</calc>", "\\boxed{12}"]
 """The scripted model's two turns: a calculator call, then the answer (reward 1)."""
