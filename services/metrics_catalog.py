@@ -30,7 +30,7 @@ def registries() -> dict[str, CollectorRegistry]:
     from reval.metrics import TrainMetrics
     from rollout.grading.pool import VerifierMetrics
     from rollout.math_task import TaskMetrics
-    from rollout.worker import RolloutMetrics
+    from rollout.worker_metrics import RolloutMetrics
 
     learner = LearnerMetrics()
     BufferMetrics(learner.registry, role="consumer")

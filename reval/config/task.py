@@ -243,9 +243,10 @@ class RolloutConfig(_Section):
     """A rollout worker streams (``rollout/streaming.py``): it keeps ``max_inflight`` answers in
     the engine, admitting prompts from the deal as others finish, grades and inserts each
     prompt's group as soon as its last answer is done, and loads new weights between two decode
-    steps (``inflight_updates``). Off: lockstep batches of ``worker_prompts`` prompts (each
-    waits for its longest answer; weights load between batches). Unset: on for ``vllm``, off
-    for ``hf`` (which always runs lockstep: it is for the CPU and tests)."""
+    steps (``inflight_updates``). Off: the same loop admits ``worker_prompts`` prompts at a time,
+    with the engine empty (lockstep batches: each waits for its longest answer; weights load
+    between batches). Unset: on for ``vllm``, off for ``hf`` (which always runs lockstep: it is
+    for the CPU and tests)."""
     max_inflight: int | None = Field(None, ge=1)
     """Streaming: answers in the engine at once (a prompt's ``n`` answers take ``n``). Default:
     a lockstep batch's, ``worker_prompts * n``."""
