@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def common(tmp_path: Path, url: str, prefix: str, *extra: str) -> list[str]:
     return [
         "buffer.backend=redis",
-        f"buffer.redis_url={url}",
-        f"buffer.key_prefix={prefix}",
+        f"redis.url={url}",
+        f"redis.prefix={prefix}",
         f"output_dir={tmp_path}",
         "name=e2e",
         "buffer.capacity=2048",

@@ -40,8 +40,8 @@ def make_task(tmp_path: Path, *make_model_args: str) -> tuple[Path, Path]:
 def test_cpu_math_through_the_service(tmp_path: Path, redis_url: str, redis_prefix: str) -> None:
     data, model = make_task(tmp_path, "--pretrain-steps", "20")
     sets = [
-        "buffer.backend=redis", f"buffer.redis_url={redis_url}",
-        f"buffer.key_prefix={redis_prefix}", f"output_dir={tmp_path}", "name=cm",
+        "buffer.backend=redis", f"redis.url={redis_url}",
+        f"redis.prefix={redis_prefix}", f"output_dir={tmp_path}", "name=cm",
         f"model.name_or_path={model}", f"task.dataset={data / 'train.jsonl'}",
         "buffer.capacity=1024", "buffer.samples_per_insert=1.0", "buffer.min_size_to_sample=64",
         "buffer.sample_timeout_s=120", "learner.batch_size=64", "learner.micro_batch_size=64",

@@ -22,8 +22,8 @@ from tests.e2e.test_service import logs, start
 def sets_for(tmp_path, url: str, prefix: str, name: str, *extra: str) -> list[str]:
     return [
         "buffer.backend=redis",
-        f"buffer.redis_url={url}",
-        f"buffer.key_prefix={prefix}",
+        f"redis.url={url}",
+        f"redis.prefix={prefix}",
         f"output_dir={tmp_path}",
         f"name={name}",
         "buffer.capacity=4096",

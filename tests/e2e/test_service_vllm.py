@@ -54,8 +54,8 @@ RISE = 0.3
 def settings(tmp_path: Path, url: str, prefix: str) -> list[str]:
     return [
         "buffer.backend=redis",
-        f"buffer.redis_url={url}",
-        f"buffer.key_prefix={prefix}",
+        f"redis.url={url}",
+        f"redis.prefix={prefix}",
         f"output_dir={tmp_path}",
         "name=e2e-vllm",
         "model.pretrain_steps=200",

@@ -47,8 +47,8 @@ def test_cpu_math_through_the_service_with_vllm_workers(
     # 20, every reward was 0 and every version the same weights).
     data, model = make_task(tmp_path, "--pretrain-steps", "150")
     sets = [
-        "buffer.backend=redis", f"buffer.redis_url={redis_url}",
-        f"buffer.key_prefix={redis_prefix}", f"output_dir={tmp_path}", "name=cmv",
+        "buffer.backend=redis", f"redis.url={redis_url}",
+        f"redis.prefix={redis_prefix}", f"output_dir={tmp_path}", "name=cmv",
         f"model.name_or_path={model}", f"task.dataset={data / 'train.jsonl'}",
         "buffer.capacity=256", "buffer.samples_per_insert=1.0", "buffer.min_size_to_sample=64",
         "buffer.sample_timeout_s=300", "learner.batch_size=64", "learner.micro_batch_size=64",

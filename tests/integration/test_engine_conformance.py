@@ -498,8 +498,8 @@ def test_the_subscriber_feeds_vllm_from_files_and_the_hub(
     cfg = load_config(
         overrides=[
             "buffer.backend=redis",
-            f"buffer.redis_url={redis_url}",
-            f"buffer.key_prefix={redis_prefix}",
+            f"redis.url={redis_url}",
+            f"redis.prefix={redis_prefix}",
             f"output_dir={tmp_path}",
             "name=vllm-sub",
             "sync.broadcast=true",

@@ -190,8 +190,8 @@ def test_eval_follows_a_run(tmp_path, redis_url, redis_prefix):
     client = redis.Redis.from_url(redis_url)
     store = WeightStore(client, redis_prefix, "ev", tmp_path / "ev" / "weights")
     announce_weights(store, policy.model.state_dict().items(), 0)
-    sets = ["buffer.backend=redis", f"buffer.redis_url={redis_url}",
-            f"buffer.key_prefix={redis_prefix}", f"output_dir={tmp_path}", "name=ev",
+    sets = ["buffer.backend=redis", f"redis.url={redis_url}",
+            f"redis.prefix={redis_prefix}", f"output_dir={tmp_path}", "name=ev",
             "eval.samples_per_prompt=2", "rollout.max_new_tokens=4",
             "rollout.verifier_workers=1"]  # fmt: skip
     cmd = [sys.executable, "-m", "services.cli", "eval", "--follow", "--every", "5",

@@ -57,7 +57,7 @@ class Feeder:
 
 def learner(tmp: Path, url: str, prefix: str, run: str, *args: str) -> subprocess.Popen[str]:
     sets = [
-        "buffer.backend=redis", f"buffer.redis_url={url}", f"buffer.key_prefix={prefix}",
+        "buffer.backend=redis", f"redis.url={url}", f"redis.prefix={prefix}",
         f"output_dir={tmp}", f"name={run}", "buffer.capacity=4096", "buffer.min_size_to_sample=16",
         "learner.batch_size=16", "learner.micro_batch_size=16", "learner.max_steps=100000",
         "learner.checkpoint_every=0", f"learner.checkpoint_every_s={EVERY_S}",

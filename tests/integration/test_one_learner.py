@@ -77,8 +77,8 @@ def test_a_lease_taken_over_is_lost(client, redis_prefix):
 def _learner(tmp_path: Path, url: str, prefix: str) -> subprocess.Popen[str]:
     sets = [
         "buffer.backend=redis",
-        f"buffer.redis_url={url}",
-        f"buffer.key_prefix={prefix}",
+        f"redis.url={url}",
+        f"redis.prefix={prefix}",
         f"output_dir={tmp_path}",
         "name=one",
         "learner.lease_s=3",

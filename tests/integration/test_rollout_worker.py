@@ -51,8 +51,8 @@ def worker_cfg(tmp_path: Path, url: str, prefix: str, *extra: str):
     return load_config(
         overrides=[
             *WORKER,
-            f"buffer.redis_url={url}",
-            f"buffer.key_prefix={prefix}",
+            f"redis.url={url}",
+            f"redis.prefix={prefix}",
             f"output_dir={tmp_path}",
             "name=w",
             *extra,
@@ -93,8 +93,8 @@ def spawn(cfg_args: list[str], *args: str) -> subprocess.Popen[str]:
 def cli_args(tmp_path: Path, url: str, prefix: str, *extra: str) -> list[str]:
     return [
         *WORKER,
-        f"buffer.redis_url={url}",
-        f"buffer.key_prefix={prefix}",
+        f"redis.url={url}",
+        f"redis.prefix={prefix}",
         f"output_dir={tmp_path}",
         "name=w",
         *extra,

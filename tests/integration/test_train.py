@@ -191,8 +191,8 @@ def test_training_through_the_redis_buffer(tmp_path, redis_url, redis_prefix):
 
     from reval.redis import ring_keys
 
-    extra = ["buffer.backend=redis", f"buffer.redis_url={redis_url}"]
-    extra.append(f"buffer.key_prefix={redis_prefix}")
+    extra = ["buffer.backend=redis", f"redis.url={redis_url}"]
+    extra.append(f"redis.prefix={redis_prefix}")
     res = train(cfg_for(tmp_path, *extra, "metrics.plot=false", name="rd"))
     assert res.final_success > res.initial_success + 0.3, res.history
     client = redis.Redis.from_url(redis_url)
@@ -212,8 +212,8 @@ def test_prioritized_replay_updates_priorities(tmp_path, redis_url, redis_prefix
 
     from reval.redis import ring_keys
 
-    extra = ["buffer.backend=redis", f"buffer.redis_url={redis_url}"]
-    extra += [f"buffer.key_prefix={redis_prefix}", "buffer.prioritized=true"]
+    extra = ["buffer.backend=redis", f"redis.url={redis_url}"]
+    extra += [f"redis.prefix={redis_prefix}", "buffer.prioritized=true"]
     res = train(cfg_for(tmp_path, *extra, "learner.rounds=3", "metrics.plot=false", name="pr"))
     assert all(r["updates"] == 2 for r in res.history[1:])
     client = redis.Redis.from_url(redis_url)

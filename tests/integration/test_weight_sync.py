@@ -41,8 +41,8 @@ def config(tmp_path: Path, url: str, prefix: str, *extra: str) -> RunConfig:
     return load_config(
         overrides=[
             "buffer.backend=redis",
-            f"buffer.redis_url={url}",
-            f"buffer.key_prefix={prefix}",
+            f"redis.url={url}",
+            f"redis.prefix={prefix}",
             f"output_dir={tmp_path}",
             "name=ws",
             "sync.timeout_s=10",
@@ -662,8 +662,8 @@ def rank_main(rank, port, url, prefix, out):
     from reval.policy import load_policy
     from learner.parallel import shard
     from reval.weights.sender import build_sender
-    cfg = load_config(overrides=["buffer.backend=redis", f"buffer.redis_url={url}",
-        f"buffer.key_prefix={prefix}", f"output_dir={out}", "name=two", "sync.bucket_mb=0.02"],
+    cfg = load_config(overrides=["buffer.backend=redis", f"redis.url={url}",
+        f"redis.prefix={prefix}", f"output_dir={out}", "name=two", "sync.bucket_mb=0.02"],
         environ={})
     model = load_policy(cfg.model, 0).model
     full = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.named_parameters()}

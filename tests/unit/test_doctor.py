@@ -113,7 +113,7 @@ def test_a_port_in_use_fails_with_the_field_that_sets_it():
 
 def test_redis_unreachable_fails_with_the_setting():
     check = doctor.check_redis(cpu_cfg("buffer.backend=redis"), "ConnectionError: refused")
-    assert check.status == "fail" and "buffer.redis_url" in check.message
+    assert check.status == "fail" and "redis.url" in check.message
     assert doctor.check_redis(cpu_cfg(), "x").status == "skip"  # the memory backend
 
 
@@ -149,7 +149,7 @@ def test_disk_for_checkpoints(tmp_path):
 
 
 def test_cli_passes_against_the_test_redis(redis_url, capsys):
-    rc = main(["doctor", "--set", "buffer.backend=redis", "--set", f"buffer.redis_url={redis_url}",
+    rc = main(["doctor", "--set", "buffer.backend=redis", "--set", f"redis.url={redis_url}",
                "--json"])  # fmt: skip
     checks = {c["name"]: c for c in map(json.loads, capsys.readouterr().out.splitlines())}
     assert rc == 0, checks
@@ -163,8 +163,8 @@ def test_cli_fails_clearly_on_a_bad_redis_url(capsys):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rc = main(["doctor", "--set", "buffer.backend=redis", "--set",
-               f"buffer.redis_url=redis://127.0.0.1:{port}/0"])  # fmt: skip
+               f"redis.url=redis://127.0.0.1:{port}/0"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 1
     assert f"fail  redis  cannot reach Redis at redis://127.0.0.1:{port}/0" in out
-    assert "set buffer.redis_url" in out and "1 failed: redis" in out
+    assert "set redis.url" in out and "1 failed: redis" in out
