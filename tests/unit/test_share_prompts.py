@@ -28,8 +28,9 @@ from reval.policy import build_tiny_model
 PAD, EOS, VOCAB = 0, 1, 40
 CPU = torch.device("cpu")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-GRAD_TOL = {"atol": 1e-5, "rtol": 1e-4}
-"""As tests/unit/test_packing.py's: the gradients sum the same tokens in another order."""
+GRAD_TOL = {"atol": 5e-5, "rtol": 1e-4}
+"""The gradients sum the same tokens in another order (float32): one element of 2560 differed by
+1.7e-5 on one machine's CPU kernels (none on another), past test_packing's 1e-5."""
 
 
 def tiny(seed: int = 0) -> torch.nn.Module:
