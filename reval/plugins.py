@@ -44,10 +44,10 @@ def _moved(module: str, name: str) -> str:
     return new
 
 
-def canonical_spec(spec: str) -> str:
+def canonical_spec(spec: str, noun: str = "name") -> str:
     """``spec`` as ``module:name`` spelled the current way (a moved module's new path, with
-    ``split_spec``'s warning): what to compare a spec with."""
-    module, name = split_spec(spec)
+    ``split_spec``'s warning; ``noun`` as there): what to compare a spec with."""
+    module, name = split_spec(spec, noun)
     return f"{module}:{name}"
 
 

@@ -161,19 +161,26 @@ class LockstepStream:
         self._queued.append((key, list(prompt), params, seed))
 
     def step(self) -> list[Finished]:
-        """Every queued request, one ``generate`` call per distinct ``SamplingParams`` (seeded
-        by its first request's seed), under the weights held now."""
-        batches: dict[SamplingParams, list[tuple[str, list[int], SamplingParams, int]]] = {}
+        """Every queued request, one ``generate`` call per sampling setting (``n``,
+        temperature, top-p; seeded by its first request's seed) at the largest
+        ``max_new_tokens`` asked, each answer then cut to its own request's (finish ``length``
+        when that cuts it: the first tokens of a longer sample are a sample of the shorter
+        request), under the weights held now."""
+        batches: dict[tuple[int, float, float], list[tuple[str, list[int], SamplingParams, int]]]
+        batches = {}
         for request in self._queued:
-            batches.setdefault(request[2], []).append(request)
+            p = request[2]
+            batches.setdefault((p.n, p.temperature, p.top_p), []).append(request)
         self._queued = []
         done = []
-        for params, requests in batches.items():
+        for requests in batches.values():
+            longest = max(requests, key=lambda r: r[2].max_new_tokens)[2]
             version = self.engine.policy_version
-            out = self.engine.generate([r[1] for r in requests], params, requests[0][3])
+            out = self.engine.generate([r[1] for r in requests], longest, requests[0][3])
             span = np.array([0, version], dtype=np.int32)
-            done += [Finished(r[0], samples, [span.copy() for _ in samples])
-                     for r, samples in zip(requests, out, strict=True)]  # fmt: skip
+            for r, samples in zip(requests, out, strict=True):
+                samples = [_cut(s, r[2].max_new_tokens) for s in samples]
+                done.append(Finished(r[0], samples, [span.copy() for _ in samples]))
         return done
 
     def running(self) -> int:
@@ -184,6 +191,13 @@ class LockstepStream:
 
     def resume(self) -> None:
         """Nothing runs between two steps."""
+
+
+def _cut(sample: Sample, max_tokens: int) -> Sample:
+    """``sample`` cut to ``max_tokens`` tokens (finish ``length`` when that cuts it)."""
+    if sample.token_ids.size <= max_tokens:
+        return sample
+    return Sample(sample.token_ids[:max_tokens], sample.logprobs[:max_tokens], "length")
 
 
 def as_stream(engine: GenerationEngine) -> StreamEngine:

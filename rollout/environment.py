@@ -167,9 +167,10 @@ def run_episodes(
         live = [e for e in flat if e.live]
         if not live:
             break
+        # (one token past the room: a turn the episode's limit cuts is seen as cut, never stepped)
         room = max(limits.max_tokens - len(e.tokens) for e in live)
         turn_params = dataclasses.replace(
-            params, n=1, max_new_tokens=max(1, min(params.max_new_tokens, room))
+            params, n=1, max_new_tokens=max(1, min(params.max_new_tokens, room + 1))
         )
         contexts = [e.prompt_ids + e.tokens for e in live]
         samples = engine.generate(contexts, turn_params, seed + 7919 * turn)
@@ -239,10 +240,14 @@ def advance_episode(
 
 
 def turn_params(e: Episode, params: SamplingParams, limits: EpisodeLimits) -> SamplingParams:
-    """The sampling parameters of ``e``'s next turn on its own (the streaming loop's): one
-    answer, at most the tokens the episode has room for."""
+    """The sampling parameters of ``e``'s next turn on its own (the worker's loop): one answer,
+    at most one token more than the episode has room for, so that a turn the episode's limit
+    cuts is seen as cut (``advance_episode``: kept up to the limit, finish ``length``, never
+    stepped), as in ``run_episodes``."""
     room = limits.max_tokens - len(e.tokens)
-    return dataclasses.replace(params, n=1, max_new_tokens=max(1, min(params.max_new_tokens, room)))
+    return dataclasses.replace(
+        params, n=1, max_new_tokens=max(1, min(params.max_new_tokens, room + 1))
+    )
 
 
 def skipped_counts(episodes: Sequence[Sequence[Episode]]) -> dict[str, int]:

@@ -244,7 +244,8 @@ class Streamer:
         """Admit only with the engine empty and the grading done (``rollout.streaming =
         false``: batches of ``max_inflight // n`` prompts, weights loaded between them)."""
         self.on_step = on_step
-        """Called with each engine step's seconds (the worker's thread tuner, lockstep)."""
+        """Called with each engine step's seconds, once its finished requests are handed on
+        (the worker's thread tuner, lockstep: ``engine.running()`` is 0 at a batch's end)."""
         self._open: dict[str, _Open] = {}
         """Prompts in the engine, by key."""
         self._slots = 0
@@ -374,7 +375,7 @@ class Streamer:
         start, limits = len(e.tokens), self.episodes.limits
         advance_episode(e, sample, self.tokenizer, self.engine.stop_ids, limits,
                         last=e.turns == limits.max_turns - 1)  # fmt: skip
-        kept = min(len(sample.token_ids), limits.max_tokens - start)  # (the turn as kept)
+        kept = min(len(sample.token_ids), limits.max_tokens - start)  # (a cut turn's kept part)
         for at, version in zip(spans[0::2].tolist(), spans[1::2].tolist(), strict=True):
             if at < kept and (not e.spans or e.spans[-1] != version):
                 e.spans += [start + at, version]
@@ -405,8 +406,6 @@ class Streamer:
         s.step_s += t1 - t0
         s.max_step_s = max(s.max_step_s, t1 - t0)
         s.occupancy_s += (t1 - t0) * min(1.0, running / self.max_inflight)
-        if self.on_step is not None:
-            self.on_step(t1 - t0)
         if self._sampled_under_new:
             self._sampled_under_new = False
             if self._announced_at is not None:
@@ -423,6 +422,8 @@ class Streamer:
             s.finished += 1
             group = Group(f.key, opened.prompt, opened.ids, f.samples, f.spans, opened.submitted)
             self._pending.append(self._grading.submit(self._grade, group))
+        if self.on_step is not None:  # (after the step's turns are submitted again)
+            self.on_step(t1 - t0)
 
     def _grade(self, group: Group) -> None:
         self.on_group(group)

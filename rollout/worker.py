@@ -404,6 +404,8 @@ class RolloutWorker:
                             self.worker_id, skipped)  # fmt: skip
                 for reason, n in skipped.items():
                     self.metrics.episodes_skipped.labels(reason=reason).inc(n)
+            if not records:  # (every episode's environment failed to start or step)
+                return
             self.ring.insert(records)  # never waits for the learner; spools if needed
             tokens = sum(int(t.action_mask.sum()) if t.action_mask.size else
                          int(t.response_ids.size) for t in records)  # fmt: skip
@@ -421,6 +423,15 @@ class RolloutWorker:
             return self.stop.is_set() or not self._follow_control()
 
         ahead_since: list[float] = []
+        batch_s = [0.0]
+
+        def on_step(seconds: float) -> None:
+            """Lockstep: a batch's engine steps (one, or one per turn of its episodes), summed
+            and given to the thread tuner (``reval/threads.py``) once the batch is done."""
+            batch_s[0] += seconds
+            if not self.engine.running():
+                thread_tick(batch_s[0], "batch")
+                batch_s[0] = 0.0
 
         def may_admit() -> bool:
             if self.idle:
@@ -450,7 +461,7 @@ class RolloutWorker:
             key_prefix=f"{self.worker_id}-{uuid.uuid4().hex[:6]}",  # (group ids: one run's own)
             episodes=self.episodes,
             lockstep=lockstep,
-            on_step=(lambda s: thread_tick(s, "batch")) if lockstep else None,  # (reval/threads.py)
+            on_step=on_step if lockstep else None,
         )
         max_groups = None if max_batches is None else max_batches * (n_prompts if lockstep else 1)
         t0 = time.monotonic()

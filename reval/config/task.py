@@ -165,10 +165,10 @@ class TaskConfig(_Section):
     def _reward_spec(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        from reval.plugins import canonical_spec, split_spec
+        from reval.plugins import canonical_spec
 
-        split_spec(value, "function")
-        return canonical_spec(value.strip())  # (a moved module's old name: warned once, here)
+        # (checked, and a moved module's old name warned of once, here)
+        return canonical_spec(value.strip(), "function")
 
     @model_validator(mode="after")
     def _custom_needs(self) -> TaskConfig:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from rollout.collect import collect_round
+from rollout.calculator import CalculatorEnv
+from rollout.collect import Truncation, collect_round
 from rollout.engines import (
     HFEngine,
     LockstepStream,
@@ -18,6 +19,7 @@ from rollout.engines import (
     StreamEngine,
     as_stream,
 )
+from rollout.environment import EpisodeLimits, EpisodeRunner, Step
 from rollout.streaming import Group, Streamer, group_records
 from tests.unit.test_environment import EOS, PAD, PROMPT, RUNNER, TOK, ScriptedLM, _Task
 from tests.unit.test_streaming import FakeEngine, FakeTokenizer, N, dealer, prompts
@@ -69,6 +71,14 @@ def test_a_lockstep_stream_generates_every_queued_request_in_one_call() -> None:
     assert all(sp.tolist() == [0, 2] for f in done for sp in f.spans)  # (the version held)
     engine.policy_version = 5
     assert inner.policy_version == 5 and engine.stop_ids == (EOS,)
+    # requests that differ only in max_new_tokens: one call at the largest, each answer cut to
+    # its own request's (finish "length" where that cut it)
+    engine.submit("a", [1] * 6, SamplingParams(n=1, max_new_tokens=3), seed=0)
+    engine.submit("b", [1] * 6, SamplingParams(n=1, max_new_tokens=8), seed=1)
+    a, b = engine.step()
+    assert inner.calls[-1] == 2 and len(inner.calls) == 2
+    assert a.samples[0].token_ids.size == 3 and a.samples[0].finish_reason == "length"
+    assert b.samples[0].token_ids.size == 6
 
 
 def test_lockstep_admission_waits_for_the_engine_to_empty() -> None:
@@ -94,29 +104,73 @@ def test_lockstep_admission_waits_for_the_engine_to_empty() -> None:
     assert len(engine2.running_per_step) < len(engine.running_per_step)
 
 
-def _play(engine: StreamEngine, n: int = 2, on_step=None) -> list[Group]:
+def _play(engine: StreamEngine, n: int = 2, on_step=None, runner=RUNNER) -> list[Group]:
     groups: list[Group] = []
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=24)
     s = Streamer(engine, TOK, lambda _p: params, groups.append, n=n, max_inflight=n,
-                 episodes=RUNNER, on_step=on_step, control_s=0.0)  # fmt: skip
+                 episodes=runner, on_step=on_step, control_s=0.0)  # fmt: skip
     s.run(lambda k: [PROMPT][:k], max_groups=1)
     return groups
 
 
-def test_episodes_under_the_streamer_are_the_episodes_of_collect_round() -> None:
-    (group,) = _play(as_stream(HFEngine(ScriptedLM(CALC), PAD, EOS)))
+@pytest.mark.parametrize("max_tokens", [96, 30, 12])
+def test_episodes_under_the_streamer_are_the_episodes_of_collect_round(max_tokens) -> None:
+    """The same episodes, rewards and masks, also where the episode's token limit cuts a turn
+    (30: after the first turn, no room for the observation; 12: the first turn): a cut turn
+    is kept up to the limit and never given to the environment, in both loops."""
+    runner = EpisodeRunner(CalculatorEnv, EpisodeLimits(max_turns=4, max_tokens=max_tokens))
+    (group,) = _play(as_stream(HFEngine(ScriptedLM(CALC), PAD, EOS)), runner=runner)
     assert group.episodes is not None and len(group.episodes) == 2
     records, raw = group_records(group, _Task(), TOK, "binary", stop_ids=(EOS,))  # type: ignore[arg-type]
     played = collect_round(HFEngine(ScriptedLM(CALC), PAD, EOS), TOK, _Task(), [PROMPT],
                            SamplingParams(n=2, temperature=1.0, max_new_tokens=24), seed=3,
-                           reward_variant="binary", group_prefix="r", episodes=RUNNER)  # fmt: skip
-    assert raw == [1.0, 1.0]
+                           reward_variant="binary", group_prefix="r", episodes=runner)  # fmt: skip
+    assert raw == ([1.0, 1.0] if max_tokens == 96 else [0.0, 0.0])
     assert [r.reward_raw for r in records] == [t.reward_raw for t in played.trajectories]
     for got, want in zip(records, played.trajectories, strict=True):
         assert got.response_ids.tolist() == want.response_ids.tolist()
         assert got.action_mask.tolist() == want.action_mask.tolist()
-        assert 0 in got.action_mask.tolist()  # (the calculator's tokens: not the model's)
+        assert got.finish_reason == want.finish_reason
+        assert got.response_ids.size <= max_tokens
+        assert (0 in got.action_mask.tolist()) == (max_tokens == 96)  # (the calculator's tokens)
         assert got.group_id == group.key and got.version_spans.size == 0
+
+
+class Generous:
+    """Rewards any turn it is given, and ends the episode: a cut turn must never reach it."""
+
+    def start(self, prompt: object) -> None:
+        pass
+
+    def step(self, text: str) -> Step:
+        return Step("", 1.0, True)
+
+
+def test_a_turn_the_episodes_limit_cuts_is_never_stepped() -> None:
+    """The first turn (17 tokens) is longer than the episode's room (12): it is kept up to the
+    limit, finishes ``length`` and earns nothing even where cut answers keep their reward
+    (``algo.truncated_reward = "graded"``), as in ``collect_round``."""
+    runner = EpisodeRunner(Generous, EpisodeLimits(max_turns=2, max_tokens=12))
+    graded = Truncation("graded")
+    (group,) = _play(as_stream(HFEngine(ScriptedLM(CALC), PAD, EOS)), runner=runner)
+    records, raw = group_records(group, _Task(), TOK, "binary", stop_ids=(EOS,),  # type: ignore[arg-type]
+                                 truncation=graded)  # fmt: skip
+    assert raw == [0.0, 0.0]
+    assert all(r.finish_reason == "length" and r.response_ids.size == 12 for r in records)
+    played = collect_round(HFEngine(ScriptedLM(CALC), PAD, EOS), TOK, _Task(), [PROMPT],
+                           SamplingParams(n=2, temperature=1.0, max_new_tokens=24), seed=3,
+                           reward_variant="binary", group_prefix="r", episodes=runner,
+                           truncation=graded)  # fmt: skip
+    assert [t.reward_raw for t in played.trajectories] == raw
+
+
+def test_on_step_sees_the_engine_empty_only_at_a_batchs_end() -> None:
+    """``on_step`` runs once a step's finished turns are submitted again: the worker sums a
+    lockstep batch's steps (one per turn) and ticks its thread tuner when the engine is empty."""
+    engine = as_stream(HFEngine(ScriptedLM(CALC), PAD, EOS))
+    running: list[int] = []
+    _play(engine, on_step=lambda _s: running.append(engine.running()))
+    assert running == [2, 0]  # (two turns: the second submitted before the first step's call)
 
 
 def test_an_episode_says_which_weights_played_each_turn() -> None:
@@ -144,8 +198,6 @@ def test_a_misbehaving_environment_loses_its_episodes_only_under_the_streamer(br
 
         def step(self, text: str) -> object:
             raise RuntimeError("no")
-
-    from rollout.environment import EpisodeLimits, EpisodeRunner
 
     groups: list[Group] = []
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24)
