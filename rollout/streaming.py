@@ -159,8 +159,6 @@ class _Open:
     submitted: float
     seed: int
     episodes: list[Episode] | None = None
-    live: int = 0
-    """Episodes not over yet."""
 
 
 @dataclass
@@ -253,7 +251,9 @@ class Streamer:
         self._pending: deque[Future[None]] = deque()
         self.max_graded_behind = max_graded_behind or max(4, 2 * max_inflight)
         """Groups finished and not yet graded beyond which the loop waits for grading."""
-        self.weights_check_s = weights_check_s
+        self.weights_check_s = max(weights_check_s, ADMIT_RETRY_S) if lockstep else weights_check_s
+        """How often the announcement is read (lockstep loads only between batches: no need to
+        read it more often than admissions are asked)."""
         self.control_s = control_s
         self.load_retry_s = load_retry_s
         self._peeked: Hashable = None
@@ -350,9 +350,8 @@ class Streamer:
                                for _ in range(params.n)]  # fmt: skip
             for i, e in enumerate(opened.episodes):
                 if e.live:
-                    opened.live += 1
                     self._turn(key, i, e)
-            if not opened.live:  # (no environment started)
+            if not any(e.live for e in opened.episodes):  # (no environment started)
                 self._finish(key)
 
     def _turn(self, key: str, i: int, e: Episode) -> None:
@@ -382,8 +381,7 @@ class Streamer:
         if e.live:
             self._turn(key, int(i), e)
             return None
-        opened.live -= 1
-        return key if opened.live == 0 else None
+        return None if any(x.live for x in opened.episodes) else key
 
     def _finish(self, key: str) -> None:
         """Prompt ``key`` is done: its group goes to grading."""
