@@ -23,7 +23,7 @@ PEERS_STAMP := $(PEERS_VENV)/.installed
 # The torch-free packages that mypy checks strictly.
 LIGHT := reval/config reval/paths.py reval/rewards.py reval/metrics.py buffer
 
-.PHONY: demo test test-vllm test-floors lint unit venv venv-vllm venv-floors clean oneshot ablations
+.PHONY: demo demo-lora test test-slow test-vllm test-floors lint unit venv venv-vllm venv-floors clean oneshot ablations
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -60,6 +60,10 @@ venv-floors: $(FLOORS_STAMP)
 demo: $(STAMP)
 	$(BIN)/reval train
 
+# The demo with LoRA adapters (rank 32 on every linear layer; docs/learner.md "LoRA").
+demo-lora: $(STAMP)
+	$(BIN)/reval train --set model.lora.rank=32 --set name=demo-lora
+
 # The one-shot study of docs/eval.md (about 25 minutes on 2 cores: two runs at a time).
 oneshot: $(STAMP)
 	$(BIN)/reval experiment oneshot --out docs/oneshot
@@ -84,6 +88,14 @@ test: lint
 
 # (scripts/test_all.sh: the main suite, then the vLLM, floors, peers and Docker lanes; the later
 # lanes' venvs and images build beside the main suite at the lowest priority.)
+
+# The main suite's tests marked `slow`, which `make test` leaves out (pyproject.toml's addopts):
+# the chaos checks that take minutes (Redis down 5 min then refusing writes 2 min, two-rank
+# learners; docs/operations.md, "The chaos checks, by hand") and the longer e2e runs.
+test-slow: $(STAMP)
+	scripts/ensure_redis.sh
+	REVAL_REQUIRE_REDIS=$${REVAL_REQUIRE_REDIS:-1} $(BIN)/python -m pytest -q --durations=10 \
+	  -m 'slow and not gpu and not vllm and not peers and not docker'
 
 # The tests marked `vllm` (real vLLM engines on the CPU), in the vLLM venv.
 test-vllm: $(VLLM_STAMP)
@@ -131,16 +143,17 @@ gpu-check-dry: $(STAMP)
 $(PEERS_STAMP): pyproject.toml
 	test -x $(PEERS_BIN)/python || $(PY) -m venv $(PEERS_VENV)
 	$(PEERS_BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(PEERS_BIN)/pip install -q --disable-pip-version-check -e '.[dev,peers]'
+	$(PEERS_BIN)/pip install -q --disable-pip-version-check -e '.[dev,peers,trackio]'
 	$(PEERS_BIN)/python -c "import trl, transformers; print('trl', trl.__version__, 'transformers', transformers.__version__)"
 	touch $(PEERS_STAMP)
 
 venv-peers: $(PEERS_STAMP)
 
 # The tests marked `peers` (the numerical cross-check with TRL's GRPO loss, the benchmark's smoke
-# run), in the peers venv.
+# run; the trackio tracker's read-back, whose dependencies the floors lane cannot take), in the
+# peers venv.
 test-peers: $(PEERS_STAMP)
-	$(PEERS_BIN)/python -m pytest -q -m peers tests/peers
+	$(PEERS_BIN)/python -m pytest -q -m peers tests/peers tests/unit/test_tracker_trackio.py
 
 # The Docker lane (tests/docker, marked `docker`; docs/operations.md, "The CPU stack"): starts a
 # Docker engine when none answers and stops the one it started (putting back the iptables rules

@@ -205,9 +205,10 @@ def run_trl(seed: int, args: argparse.Namespace) -> RunResult:
     def run_eval(model: Any, rnd: int) -> float:
         engine = HFEngine(model, policy.pad_id, policy.eos_id, policy.device)
         with torch.no_grad():
-            return evaluate(engine, policy.tokenizer, task, eval_prompts,
+            done = evaluate(engine, policy.tokenizer, task, eval_prompts,
                             cfg.eval.samples_per_prompt, cfg.eval.temperature,
                             cfg.rollout.max_new_tokens, seed=cfg.seed * 1000003 + rnd)  # fmt: skip
+        return done.success
 
     class Curve(TrainerCallback):  # type: ignore[misc]
         def __init__(self) -> None:

@@ -14,6 +14,16 @@ beforehand through the same hub (what the transport costs without gathering and 
 
 Target (the learner-service issue): hub >= 0.9 of the flat broadcast (flat time / hub time).
 
+**LoRA (``--lora RANK``, CPU).** Bytes per publish of rank-``RANK`` adapters on all linear layers
+(``reval.lora.wrap``, ``published_tensors(model, lora_publish="adapter")``) against the full
+weights (``published_tensors`` of the unwrapped model), in bf16, computed from the real
+parameter shapes of Qwen2.5-1.5B and 7B (and the CPU model) built on the meta device; and the
+CPU publish above (hub only, no flat broadcast) of the same model twice in one run: unwrapped, in
+full, then wrapped (adapters random), through ``WeightSender(lora_publish="adapter")``. Targets
+(issue 41): rank 32 under 2% of the full bytes on the 1.5B shape; a LoRA publish >= 20x faster.
+
+    .venv/bin/python benchmarks/sync_bench.py --lora 32 --sizes 500MB --reps 15
+
 **GPU (``--gpu``).** One learner rank on one CUDA device (a 1-rank NCCL group, the model sharded
 with ``learner.parallel.shard`` in bf16 over fp32 masters), Qwen2.5-1.5B- and 7B-shaped models
 (random weights). Measured in one run:
@@ -101,12 +111,32 @@ def build_model(shape: dict[str, Any], device: torch.device | str) -> nn.Module:
     return model.eval()
 
 
-def payload_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of one published copy of the model in ``dtype``."""
+def payload_bytes(model: nn.Module, dtype: torch.dtype, lora_publish: str = "merged") -> int:
+    """Bytes of one published copy of the model in ``dtype`` (a LoRA policy's: ``lora_publish``
+    says which tensors, ``published_tensors``)."""
     return sum(
         t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
-        for _, t in published_tensors(model)
+        for _, t in published_tensors(model, lora_publish=lora_publish)
     )
+
+
+def lora_bytes(
+    shape: dict[str, Any], rank: int, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
+    """Bytes per publish of a Qwen2 model of ``shape`` in ``dtype``: in full (the unwrapped
+    model) and of its rank-``rank`` adapters (``reval.lora.wrap``, all linear layers,
+    ``lora_publish="adapter"``), from the real parameter shapes on the meta device (no memory)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from reval import lora
+    from reval.config import LoraConfig
+
+    cfg = Qwen2Config(**shape, max_position_embeddings=4096)
+    with torch.device("meta"):
+        full = payload_bytes(Qwen2ForCausalLM(cfg), dtype)
+        adapter = payload_bytes(lora.wrap(Qwen2ForCausalLM(cfg), LoraConfig(rank=rank)), dtype,
+                                "adapter")  # fmt: skip
+    return {"rank": rank, "full_bytes": full, "adapter_bytes": adapter, "ratio": adapter / full}
 
 
 # -- CPU mode -------------------------------------------------------------------------------------
@@ -134,36 +164,43 @@ def _cpu_rank(rank: int, port: int, args: argparse.Namespace, q: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=3, timeout=dt.timedelta(seconds=900))
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     results = []
-    for size in args.sizes.split(","):
+    kinds = ("hub",) if args.lora else ("flat", "prepacked", "hub")
+    ranks = (0, args.lora) if args.lora else (0,)  # LoRA: the full publish, then the adapter's
+    runs = [(size, r) for size in args.sizes.split(",") for r in ranks]
+    for size, rank_lora in runs:
         shape = CPU_SHAPES[size]
-        model = build_model(shape, "cpu")
-        nbytes = payload_bytes(model, torch.float32)
+        model, publish = build_model(shape, "cpu"), "adapter" if rank_lora else "merged"
+        if rank_lora:  # the same base, wrapped; adapters random (B = 0 would send zeros)
+            model = _wrapped(model, rank_lora)
+        nbytes = payload_bytes(model, torch.float32, publish)
         flat = torch.zeros(nbytes, dtype=torch.uint8)  # (touched: no first-touch faults)
         sender = recv = None
         if rank == 0:
             hub = BroadcastHub(0, host="127.0.0.1", timeout_s=300, bucket_bytes=bucket_bytes)
-            sender = WeightSender(0, torch.float32, "cpu", bucket_bytes, store=None, hub=hub)
+            sender = WeightSender(0, torch.float32, "cpu", bucket_bytes, store=None, hub=hub,
+                                  lora_publish=publish)  # fmt: skip
             where: list[Any] = [sender.address]
         else:
             where = [None]
         dist.broadcast_object_list(where, src=0)
         if rank != 0:
-            params = {n: t.detach().zero_() for n, t in published_tensors(model)}  # (until loaded)
+            params = {n: t.detach().zero_()  # (until loaded)
+                      for n, t in published_tensors(model, lora_publish=publish)}  # fmt: skip
             recv = LocalReceiver(partial(_load, params), "cpu")
             assert recv.join(where[0], f"bench{rank}", 300)
         # Buckets packed beforehand (the diagnostic): the sender's own layout.
         if rank == 0:
-            plan = plan_buckets(published_tensors(model), bucket_bytes)
+            plan = plan_buckets(published_tensors(model, lora_publish=publish), bucket_bytes)
             packed = [p.pack().data for p in plan]
         if rank == 0:
             assert sender is not None
             while int(sender.hub.store.add("tickets", 0)) < 2:  # type: ignore[union-attr]
                 time.sleep(0.01)
-        times: dict[str, list[float]] = {"flat": [], "hub": [], "prepacked": [], "send": []}
-        cpu: dict[str, list[float]] = {"flat": [], "hub": [], "prepacked": []}
+        times: dict[str, list[float]] = {k: [] for k in (*kinds, "send")}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}
         version = 0
         for rep in range(-args.warmup, args.reps):
-            for kind in ("hub", "flat", "prepacked") if rep % 2 else ("flat", "prepacked", "hub"):
+            for kind in kinds[-1:] + kinds[:-1] if rep % 2 else kinds:
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()
                 if kind == "flat":
@@ -197,7 +234,9 @@ def _cpu_rank(rank: int, port: int, args: argparse.Namespace, q: Any) -> None:
                     assert recv.take(None) == version  # load (untimed), release the buffers
         # The bytes arrived: every receiver's model (zeroed before) equals the learner's.
         with torch.no_grad():
-            sums = [float(sum(t.double().sum() for _, t in published_tensors(model)))]
+            sums = [
+                float(sum(t.double().sum() for _, t in published_tensors(model, None, publish)))
+            ]
         gathered: list[Any] = [None] * 3
         dist.all_gather_object(gathered, sums)
         assert all(g == gathered[0] for g in gathered), gathered
@@ -207,8 +246,8 @@ def _cpu_rank(rank: int, port: int, args: argparse.Namespace, q: Any) -> None:
             recv.leave()
         if rank == 0:
             by_rank = {k: [statistics.median(c[k]) for c in cpus] for k in cpu}
-            results.append({"model": size, "nbytes": nbytes, "times": times, "cpu_s": by_rank,
-                            "buckets": len(plan)})  # fmt: skip
+            results.append({"model": size, "lora": rank_lora, "nbytes": nbytes, "times": times,
+                            "cpu_s": by_rank, "buckets": len(plan)})  # fmt: skip
         dist.barrier()
         if sender is not None:
             sender.close()
@@ -216,6 +255,20 @@ def _cpu_rank(rank: int, port: int, args: argparse.Namespace, q: Any) -> None:
     if rank == 0:
         q.put(results)
     dist.destroy_process_group()
+
+
+@torch.no_grad()
+def _wrapped(model: nn.Module, rank: int) -> nn.Module:
+    """``model`` with rank-``rank`` LoRA adapters on all linear layers (``reval.lora.wrap``),
+    filled with the same random values in every process."""
+    from reval import lora
+    from reval.config import LoraConfig
+
+    model = lora.wrap(model, LoraConfig(rank=rank))
+    gen = torch.Generator().manual_seed(1)
+    for _, p in lora.adapter_parameters(model):
+        p.normal_(0.0, 0.02, generator=gen)
+    return model
 
 
 def _collect(q: Any, procs: list[Any]) -> Any:
@@ -248,6 +301,8 @@ def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
     for p in procs:
         p.start()
     results = _collect(q, procs)
+    if args.lora:
+        return lora_report(args, results)
     print(
         f"# Weight sync on CPU: the learner and 2 receiver processes over gloo (loopback), "
         f"{args.bucket_mb:g} MB buckets, {args.threads or torch.get_num_threads()} torch "
@@ -284,6 +339,34 @@ def cpu_main(args: argparse.Namespace) -> dict[str, Any]:
             "threads": args.threads, "results": results}  # fmt: skip
 
 
+def lora_report(args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--lora``: bytes per publish of the adapters against the full weights (bf16, the real
+    shapes), and the CPU runs' publish times, full against adapter, on the same model."""
+    shapes = {**QWEN_SHAPES, **{s: CPU_SHAPES[s] for s in args.sizes.split(",")}}
+    sizes = [{"model": name, **lora_bytes(shape, args.lora)} for name, shape in shapes.items()]
+    print(f"# LoRA rank {args.lora} (all linear layers): bytes per publish in bf16, the adapter "
+          f"against the full weights (real parameter shapes, on the meta device)\n")  # fmt: skip
+    print("| model | full MB | adapter MB | adapter / full |\n|---|---|---|---|")
+    for b in sizes:
+        print(f"| {b['model']} | {b['full_bytes'] / 1e6:,.1f} | {b['adapter_bytes'] / 1e6:,.2f} | "
+              f"{100 * b['ratio']:.2f}% |")  # fmt: skip
+    print(f"\n# Publish on CPU (WeightSender.send into a gloo BroadcastHub, 2 receiver processes, "
+          f"fp32, {args.bucket_mb:g} MB buckets): the unwrapped model in full against its "
+          f"adapters alone (lora_publish='adapter'), median of {args.reps}\n")  # fmt: skip
+    print("| model | full MB | full s | adapter MB | adapter s | full / adapter (speed-up) |")
+    print("|---|---|---|---|---|---|")
+    speedups = {}
+    for full, ad in zip(results[::2], results[1::2], strict=True):
+        f, a = (statistics.median(r["times"]["hub"]) for r in (full, ad))
+        full["median_s"], ad["median_s"] = f, a
+        speedups[full["model"]] = f / a
+        print(f"| {full['model']} | {full['nbytes'] / 1e6:,.1f} | {f:.4f} | "
+              f"{ad['nbytes'] / 1e6:,.2f} | {a:.5f} | {f / a:.1f}x |")  # fmt: skip
+    return {"mode": "cpu-lora", "lora_rank": args.lora, "bucket_mb": args.bucket_mb,
+            "reps": args.reps, "threads": args.threads, "bytes": sizes,
+            "publish_speedup": speedups, "results": results}  # fmt: skip
+
+
 # -- GPU mode -------------------------------------------------------------------------------------
 
 
@@ -294,7 +377,10 @@ class _FilesOnly(WeightStore):
     def __init__(self, directory: str | Path) -> None:  # (no client: WeightStore's is Redis)
         self.dir, self.keep, self.key = Path(directory), 1, "sync-bench"
 
-    def announce(self, version: int, lineage: str, broadcast: str | None, first: bool) -> None:
+    def announce(
+        self, version: int, lineage: str, broadcast: str | None, first: bool,
+        base: Path | None = None, files_url: str | None = None,
+    ) -> None:  # fmt: skip
         pass
 
     def announce_file(self, version: int, path: Path, lineage: str) -> bool:
@@ -467,10 +553,15 @@ def main() -> int:
         help="CPU: torch threads per process (default torch's: the machine's cores, as the "
         "learner's one rank and the workers have here)",
     )  # fmt: skip
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="CPU: LoRA of this rank: bytes per publish (1.5B, 7B) and publish time "
+                    "of the adapter against the full weights")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--device", default="cuda", help="GPU: the device (cpu: a dry run)")
     ap.add_argument("--weights-dir", default=None, help="GPU: where the files go (a temp dir)")
     args = ap.parse_args()
+    if args.gpu and args.lora:
+        raise SystemExit("--lora is a CPU mode for now (not with --gpu)")
     if args.gpu:
         args.sizes = args.sizes or ",".join(QWEN_SHAPES)
         out = gpu_main(args)

@@ -9,6 +9,7 @@ import bisect
 import itertools
 import logging
 import math
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -21,8 +22,24 @@ from buffer.base import FreshRun, pick_fresh
 from buffer.record_codec import decode_many
 from buffer.records import RecordError, RecordLimits, Trajectory
 from buffer.redis_layout import TAKEN, RingLayout
+from reval.ratelog import RateLog
 
 log = logging.getLogger("reval.buffer")
+
+bad_records = RateLog(log, every_s=60.0)
+"""The lines of damaged records (quarantined by a reader, rejected by a producer, not written
+back): a flood of 10,000 bad records wrote a line each. Keyed by what is wrong
+(``bad_record_key``): the first of a kind at once, then one a minute with the count held back."""
+
+_NAMING = re.compile(r"'[^']*'|\"[^\"]*\"|\d+(?:\.\d*)?(?:e[+-]?\d+)?")
+"""What names one record in a ``RecordError`` (its index, its id, sizes and values)."""
+
+
+def bad_record_key(what: str, err: object) -> str:
+    """The ``bad_records`` key of a damaged record: ``what`` befell it and why, without what
+    names the record (``record 3 ('t3'): token id 50 >= ...`` and ``record 9 ('t9'): token id
+    71 >= ...`` are one reason)."""
+    return f"{what}: {_NAMING.sub('#', str(err))}"
 
 
 class _ChunkIndex:
@@ -233,8 +250,9 @@ class ChunkReader:
             good, bad = decode_many([blobs[k] for k in present], max_record_bytes, limits)
             if bad:  # quarantined (emptied, counted); the next attempt reads the chunk without
                 for i, problem in bad:
-                    log.error("quarantined a malformed record at position %d: %s",
-                              order[present[i]], problem)  # fmt: skip
+                    bad_records.error(bad_record_key("quarantined", problem),
+                                      "quarantined a malformed record at position %d: %s",
+                                      order[present[i]], problem)  # fmt: skip
                 self.quarantine([order[present[i]] for i, _ in bad])
                 if metrics is not None:
                     metrics.rejected.inc(len(bad))
@@ -279,6 +297,7 @@ def apply_ref(t: Trajectory, packed: bytes | None) -> None:
         if not (math.isfinite(slp) and math.isfinite(v1)):
             raise ValueError(f"not finite: {slp}, {v1}")
     except (ValueError, TypeError, msgpack.UnpackException) as err:
-        log.error("ignored malformed reference quantities of %s: %s", t.traj_id, err)
+        what = bad_record_key("reference", err)
+        bad_records.error(what, "ignored malformed reference quantities of %s: %s", t.traj_id, err)
         return
     t.ref_version, t.ref_logprob_sum, t.ref_value = ref_version, slp, v1

@@ -30,7 +30,7 @@ from buffer.base import (
 )
 from buffer.record_codec import decode_many
 from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory
-from buffer.redis_chunks import ChunkReader, apply_ref, pack_ref
+from buffer.redis_chunks import ChunkReader, apply_ref, bad_record_key, bad_records, pack_ref
 from buffer.redis_layout import TAKEN, OnLayout, RingLayout
 
 log = logging.getLogger("reval.buffer")
@@ -210,9 +210,10 @@ class RedisConsumer(OnLayout):
             unusable = [order[k] for k, b in enumerate(blobs) if b is None or order[k] < tail_now]
         good, bad = decode_many([blobs[k] for k in present], self.max_record_bytes, self.limits)
         bad_at = {present[i] for i, _ in bad}
-        for i, problem in bad:
-            log.error("quarantined a malformed record at position %d: %s",
-                      order[present[i]], problem)  # fmt: skip
+        for i, problem in bad:  # (a line per reason, then one a minute with the count)
+            bad_records.error(bad_record_key("quarantined", problem),
+                              "quarantined a malformed record at position %d: %s",
+                              order[present[i]], problem)  # fmt: skip
         floor = self.sampling.floor(acc.version)
         if not bad_at and floor is None and not prob_of and len(good) == len(order):
             # The usual case, without a per-record branch: every record drawn is handed out.
@@ -390,7 +391,8 @@ class RedisConsumer(OnLayout):
                 try:
                     args += [pos, start, pack_ref(t)]
                 except RecordError as err:  # not cached: computed afresh when next sampled
-                    log.error("did not write back %s", err)
+                    bad_records.error(bad_record_key("write-back", err),
+                                      "did not write back %s", err)  # fmt: skip
         return int(self.layout.script("write_back", args)) if args else 0
 
     # -- the whole ring -------------------------------------------------------------------------

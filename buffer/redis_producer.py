@@ -37,6 +37,7 @@ from buffer import resp
 from buffer.base import BufferUnavailable
 from buffer.record_codec import decode_many, encode_many
 from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory
+from buffer.redis_chunks import bad_record_key, bad_records
 from buffer.redis_layout import OnLayout, RingCorrupt, RingLayout
 from buffer.redis_lua import INSERT
 from reval.procs import pid_alive
@@ -204,8 +205,9 @@ class RedisProducer(OnLayout):
         each is decoded and validated; bad ones are counted and skipped, good ones inserted.
         Returns (inserted or spooled, rejected)."""
         good, bad = decode_many(blobs, self.max_record_bytes, self.limits)
-        for i, err in bad:
-            log.warning("rejected malformed record %d (run %s): %s", i, self.run, err)
+        for i, err in bad:  # (a line per reason, then one a minute with the count)
+            what = bad_record_key("rejected", err)
+            bad_records.warning(what, "rejected malformed record %d (run %s): %s", i, self.run, err)
         rejected = len(bad)
         if rejected:
             self._count_rejected(rejected)
@@ -236,11 +238,10 @@ class RedisProducer(OnLayout):
                 del self._spool[victim]
                 self._spool_bytes -= old.nbytes
                 self.spool_dropped += old.count
-                log.error(
-                    "spool full (%d bytes): dropped %d oldest records",
-                    self.spool_max_bytes,
-                    old.count,
-                )
+                bad_records.error(  # (an outage's drops: a line a minute with the count)
+                    "spool full", "spool full (%d bytes): dropped %d oldest records",
+                    self.spool_max_bytes, old.count,
+                )  # fmt: skip
                 if self.metrics is not None:
                     self.metrics.spool_dropped.inc(old.count)
             self._set_spool_gauge()

@@ -1,7 +1,8 @@
 """The learner's checkpoint, one format for every way of running it: torch distributed checkpoint
 (DCP) of the policy, the frozen reference and the optimizer, plus ``reval_state.json`` (step,
-updates, reference version, ...). A sharded learner saves and loads its shards in parallel; a
-one-process run (``reval train``) writes the same layout without a process group.
+updates, reference version, ...). A LoRA policy's holds its adapters and the fingerprint of its
+base, not the base (``_policy_options``). A sharded learner saves and loads its shards in
+parallel; a one-process run (``reval train``) writes the same layout without a process group.
 
 ``{run_dir}/checkpoints/step-{step:08d}/`` with ``latest`` naming the newest. A checkpoint is
 written as ``step-{step:08d}.partial`` and renamed once complete, so a save cut short (a full or
@@ -23,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -35,10 +38,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from reval import lora
 from reval.paths import free_space, last_line
 from reval.run_dir import LATEST, latest_in
 
 STATE_FILE = "reval_state.json"
+LORA_BASE = "lora_base"
+"""A LoRA policy's checkpoint: the fingerprint of the base its adapters were trained on."""
 PARTIAL = ".partial"
 
 
@@ -47,11 +53,56 @@ class CheckpointWriteError(OSError):
 
 
 def _state_dict(model: nn.Module, reference: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    return {
-        "model": get_model_state_dict(model),
+    policy = get_model_state_dict(model, options=_policy_options(model))
+    if lora.is_lora(model):  # (also not a tied alias of a frozen weight, which the option keeps)
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        policy = {k: v for k, v in policy.items() if k in trained}
+    sd = {
+        "model": policy,
         "reference": get_model_state_dict(reference),
         "optim": get_optimizer_state_dict(model, optimizer),
     }
+    if lora.is_lora(model):
+        sd[LORA_BASE] = base_fingerprint(model)
+    return sd
+
+
+def _policy_options(model: nn.Module) -> StateDictOptions | None:
+    """A LoRA policy's checkpoint holds its adapters, not its frozen base (a 7B base is 28 GB
+    of fp32 per checkpoint; the adapters megabytes): the base comes back from ``model`` as the
+    config builds it, checked against the fingerprint saved beside the adapters."""
+    if not lora.is_lora(model):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def base_fingerprint(model: nn.Module) -> Tensor:
+    """``[sum, sum of squares]`` in float64 of a LoRA policy's frozen parameters (its base),
+    over every rank's shard: the same for the same base whatever the world size, up to the
+    order of the additions."""
+    from torch.distributed.tensor import DTensor
+
+    total: Tensor | None = None
+    for p in model.parameters():
+        if p.requires_grad:
+            continue
+        t = (p.to_local() if isinstance(p, DTensor) else p).detach().double()
+        part = torch.stack([t.sum(), (t * t).sum()])
+        total = part if total is None else total + part
+    assert total is not None, "a LoRA policy without frozen parameters"
+    if _distributed():
+        dist.all_reduce(total)
+    return total.cpu()
+
+
+def _check_base(saved: Tensor, model: nn.Module, path: Path) -> None:
+    now = base_fingerprint(model)
+    if not torch.allclose(saved, now, rtol=1e-6, atol=0.0):
+        raise ValueError(
+            f"checkpoint {path} holds LoRA adapters trained on another base than the model this "
+            "config builds (model.name_or_path, or the seed of a tiny model, changed): resume "
+            "with the run's own model, or start a new run"
+        )
 
 
 def _distributed() -> bool:
@@ -137,7 +188,12 @@ def load_checkpoint(
         raise FileNotFoundError(f"no checkpoint under {ckpt_dir}")
     sd = _state_dict(model, reference, optimizer)
     dcp.load(sd, checkpoint_id=str(path), no_dist=not _distributed())
-    set_model_state_dict(model, sd["model"])
+    if LORA_BASE in sd:
+        _check_base(sd[LORA_BASE], model, path)
+    got = set_model_state_dict(model, sd["model"], options=_policy_options(model))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if missing := sorted(trained & set(got.missing_keys)):  # (only the frozen base may be)
+        raise ValueError(f"checkpoint {path} lacks trained parameters: {missing[:3]}")
     set_model_state_dict(reference, sd["reference"])
     set_optimizer_state_dict(model, optimizer, sd["optim"])
     return path, json.loads((path / STATE_FILE).read_text())

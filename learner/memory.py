@@ -9,6 +9,10 @@ one micro-batch computes, ``L`` the decoder layers, ``h`` the hidden width, ``i`
 
     state       = N / W * (4 + 4 + 8 + b)        fp32 masters, fp32 grads, AdamW's two moments,
                                                   the frozen reference in the compute dtype
+    LoRA state  = (4 N + 20 A) / W               the base's fp32 masters only; the A adapter
+                                                  parameters' masters, grads, moments and the
+                                                  reference's snapshot of them (no reference
+                                                  model: ``learner/reference.py``)
     activations = T * L * b * (10 h + 4 i)       what autograd keeps per token and layer without
                                                   checkpointing (q, k, v, attention out, o, two
                                                   norms, two residuals, the input: ~10 h; gate,
@@ -32,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from reval.config import RunConfig
+from reval.config import LoraConfig, RunConfig
 
 HEADROOM = 0.85
 """Share of the device's memory the plan may fill (the rest: the allocator's fragmentation, the
@@ -48,14 +52,48 @@ class ModelShape:
     layers: int
     hidden: int
     intermediate: int
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
 
     @classmethod
     def of(cls, model_config: Any, params: int) -> ModelShape:
         """From a transformers config (``num_hidden_layers``, ``hidden_size``,
-        ``intermediate_size``, which defaults to 4 h) and the parameter count."""
+        ``intermediate_size``, which defaults to 4 h; the attention heads) and the parameter
+        count."""
         hidden = int(model_config.hidden_size)
         inter = getattr(model_config, "intermediate_size", None) or 4 * hidden
-        return cls(params, int(model_config.num_hidden_layers), hidden, int(inter))
+        heads = int(getattr(model_config, "num_attention_heads", 0) or 0)
+        kv = int(getattr(model_config, "num_key_value_heads", 0) or heads)
+        head_dim = int(getattr(model_config, "head_dim", 0) or (hidden // heads if heads else 0))
+        layers = int(model_config.num_hidden_layers)
+        return cls(params, layers, hidden, int(inter), heads, kv, head_dim)
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """A decoder layer's linear layers: name -> (in, out) features."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        i = self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+
+
+def adapter_params(shape: ModelShape, lora: LoraConfig) -> int:
+    """Parameters of the LoRA adapters (``r (in + out)`` per targeted linear layer and decoder
+    layer; ``all-linear``: every linear layer of the decoder, not the output head)."""
+    if not lora.enabled:
+        return 0
+    layers = shape.linears()
+    names = layers if lora.target_modules == "all-linear" else lora.target_modules
+    per_layer = sum(lora.rank * sum(layers[n]) for n in names if n in layers)
+    return per_layer * shape.layers
+
+
+def state_bytes(cfg: RunConfig, shape: ModelShape, world_size: int = 1) -> int:
+    """The learner's state per rank (the module docstring's ``state``, LoRA's when
+    ``model.lora`` is on)."""
+    if cfg.model.lora.enabled:
+        return (4 * shape.params + 20 * adapter_params(shape, cfg.model.lora)) // world_size
+    return shape.params * (16 + DTYPE_BYTES[cfg.model.dtype]) // world_size
 
 
 @dataclass(frozen=True)
@@ -102,7 +140,7 @@ def plan_checkpointing(
     b = DTYPE_BYTES[cfg.model.dtype]
     tokens = micro_batch_tokens(cfg)
     per_layer_token = b * (10 * shape.hidden + 4 * shape.intermediate)
-    state = shape.params * (16 + b) // world_size
+    state = state_bytes(cfg, shape, world_size)
     activations = tokens * shape.layers * per_layer_token
     checkpointed = tokens * shape.layers * b * shape.hidden + tokens * per_layer_token
     chosen = cfg.model.gradient_checkpointing

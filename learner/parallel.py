@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from reval import lora
 from reval.config import RunConfig
 from reval.nccl import apply_nccl_env
 
@@ -130,7 +131,8 @@ def shard(
     """``fully_shard`` each decoder layer, then the root (``reshard_root``: the frozen reference
     only runs forward, so the root frees its gathered weights after each)."""
     mp = mixed_precision(compute_dtype)
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    base = lora.base_model(model)  # (under LoRA: the adapters' layers are the base's)
+    layers = getattr(getattr(base, "model", None), "layers", None)
     if layers is not None:
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -158,38 +160,50 @@ def build_models(cfg: RunConfig, device: torch.device) -> tuple[Any, nn.Module, 
     device: no rank ever holds the full model there), and rank 0's tensors are broadcast into
     the shards (``set_model_state_dict(broadcast_from_rank0=True)``). The reference is built
     the same way in the compute dtype (bf16 on GPUs: it never trains) and filled shard to shard
-    from the policy. Non-persistent buffers (rotary frequencies) are broadcast from rank 0."""
+    from the policy. Non-persistent buffers (rotary frequencies) are broadcast from rank 0.
+
+    Under LoRA (``model.lora``) each rank wraps the model with peft before sharding (rank 0's
+    initial adapters are the ones broadcast) and there is no reference model: the third value
+    is the adapters' ``AdapterSnapshot`` (``learner/reference.py``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     from learner.memory import apply_plan
+    from learner.reference import AdapterSnapshot
     from reval.policy import compute_dtype, enable_checkpointing, load_policy
 
     rank = dist.get_rank()
     dtype = compute_dtype(cfg.model)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    adapters = cfg.model.lora if cfg.model.lora.enabled else None
     torch.manual_seed(cfg.seed)
     full: dict[str, torch.Tensor] = {}
     box: list[Any] = [None]
     if rank == 0:
         policy = load_policy(cfg.model.model_copy(update={"device": "cpu"}), cfg.seed)
         model = policy.model
-        full = {k: v.clone() for k, v in model.state_dict().items()}
-        buffers = {k: v.clone() for k, v in model.named_buffers()}
         plan = apply_plan(cfg, model, device, dist.get_world_size())
         log.info(plan.describe())
-        box = [(policy.tokenizer, model.config, plan.checkpointing)]
+        if adapters is not None:  # (rank 0's adapters, initialised here, reach every rank)
+            model = lora.wrap(model, adapters)
+            log.info(lora.trainable_summary(model))
+        full = {k: v.clone() for k, v in model.state_dict().items()}
+        buffers = {k: v.clone() for k, v in model.named_buffers()}
+        box = [(policy.tokenizer, policy.model.config, plan.checkpointing)]
     dist.broadcast_object_list(box, src=0)
     tokenizer, config, checkpointing = box[0]  # rank 0's plan: every rank the same
     if rank != 0:
         model = _meta_copy(config, torch.float32)
         if checkpointing:
             enable_checkpointing(model)  # type: ignore[arg-type]
-    reference = _meta_copy(config, dtype)
+        if adapters is not None:
+            model = lora.wrap(model, adapters)
+    reference = None if adapters is not None else _meta_copy(config, dtype)
     shard(model, mesh, dtype)
-    shard(reference, mesh, dtype, reshard_root=True)
-    for m in (model, reference):
-        m.to_empty(device=device)
+    model.to_empty(device=device)
+    if reference is not None:
+        shard(reference, mesh, dtype, reshard_root=True)
+        reference.to_empty(device=device)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=opts)
     del full
@@ -197,10 +211,12 @@ def build_models(cfg: RunConfig, device: torch.device) -> tuple[Any, nn.Module, 
         if rank == 0:
             buf.copy_(buffers[name])
         dist.broadcast(buf, src=0)
+    model.train()
+    if reference is None:  # LoRA: the reference is the policy's own base, then a snapshot
+        return tokenizer, model, AdapterSnapshot(model)
     for dst, src in zip(reference.parameters(), model.parameters(), strict=True):
         dst.copy_(src)
     for dst, src in zip(reference.buffers(), model.buffers(), strict=True):
         dst.copy_(src)
-    model.train()
     reference.eval().requires_grad_(False)
     return tokenizer, model, reference

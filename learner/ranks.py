@@ -40,6 +40,7 @@ from reval.control import (
 from reval.ops_http import PortTaken, check_port
 from reval.procs import follow_parent
 from reval.redis import connect
+from reval.signals import off_main
 from reval.threads import apply as apply_threads
 from reval.threads import budget as thread_budget
 from reval.threads import ray_cpus
@@ -135,12 +136,13 @@ def run_rank(
     init_group(cfg.model.device, cfg.sync.backend,
                max(4 * cfg.sync.timeout_s, cfg.redis.outage_s) + 60)  # fmt: skip
     lease = None
+    service: LearnerService | None = None
     try:
         lease = _take_lease(cfg)
-        service = LearnerService(cfg, resume)
+        service = LearnerService(cfg, resume, trackers=not export_only)
         service.lease = lease
 
-        def on_signal(signum: int, _frame: object) -> None:
+        def on_signal(signum: int) -> None:
             service.request_stop(signum)  # (rank 0's one line comes with the checkpoint)
 
         if export_only:  # the latest checkpoint as a Hugging Face checkpoint, no training
@@ -149,14 +151,14 @@ def run_rank(
                 Path(out).write_text(json.dumps({**service.state.__dict__, "export": str(path)}))
             return service.state
 
-        def on_export(signum: int, _frame: object) -> None:
+        def on_export(signum: int) -> None:
             log.info("rank %d: signal %d: export before the next update", service.rank, signum)
             service.export_now.set()
 
-        if handle_signals:
-            signal.signal(signal.SIGTERM, on_signal)
-            signal.signal(signal.SIGINT, on_signal)
-            signal.signal(signal.SIGUSR1, on_export)
+        if handle_signals:  # (off the main thread: a handler that takes a lock may hang it)
+            signal.signal(signal.SIGTERM, off_main(on_signal))
+            signal.signal(signal.SIGINT, off_main(on_signal))
+            signal.signal(signal.SIGUSR1, off_main(on_export))
         if on_service is not None:
             on_service(service)
         if _EARLY_STOP:  # a stop that arrived while it started
@@ -172,6 +174,8 @@ def run_rank(
         dist.barrier()  # every rank is done before any tears its process group down
         return state
     finally:
+        if service is not None:
+            service.close_trackers()  # (an error's way out too: their last rows written)
         if lease is not None:
             lease.release()
         dist.destroy_process_group()

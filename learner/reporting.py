@@ -23,6 +23,7 @@ from reval import registry
 from reval.control import RunControl, RunStatus
 from reval.metrics import PREFIX, JsonlWriter
 from reval.retry import skip_on_outage
+from reval.trackers import Trackers
 
 if TYPE_CHECKING:
     from buffer.base import ReplayConsumer
@@ -73,6 +74,7 @@ class LearnerReporting:
     client: redis.Redis
     control: RunControl
     writer: JsonlWriter | None
+    trackers: Trackers | None
     sender: WeightSender
     learner: Learner
     update_step: UpdateStep
@@ -132,6 +134,8 @@ class LearnerReporting:
         }
         if self.writer is not None:
             self.writer.write(record)
+        if self.trackers is not None:
+            self.trackers.log_row(int(record.get("policy_version", self.learner.step)), record)
         self._progress(record, wait)
         self._status("paused" if self.paused else "running", record)
 

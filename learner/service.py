@@ -54,6 +54,7 @@ from learner.parallel import build_models, rank_device, reduce_scalar
 from learner.reporting import LearnerMetrics, LearnerReporting
 from learner.step import UpdateStep
 from learner.trainer import Learner, UpdateMemoryError
+from reval import lora
 from reval.config import RunConfig, dump_config, public_dump
 from reval.control import (
     LiveHParams,
@@ -66,6 +67,7 @@ from reval.policy import compute_dtype, load_policy
 from reval.redis import connect
 from reval.retry import cut_short, skip_when_stopping, stop_waiting
 from reval.threads import tick as thread_tick
+from reval.trackers import build_trackers
 from reval.weights.sender import build_sender
 
 log = logging.getLogger("reval.learner")
@@ -122,7 +124,7 @@ class LearnerService(LearnerReporting):
     (metrics, log rows, progress lines, the run's status) is ``LearnerReporting``'s
     (``learner/reporting.py``)."""
 
-    def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, resume: bool = False, trackers: bool = True) -> None:
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -150,6 +152,10 @@ class LearnerService(LearnerReporting):
         self._build_update(cfg)
         self.client = connect(cfg.redis.url)
         self.writer = JsonlWriter(cfg.paths.learner_log) if self.rank == 0 else None
+        # (``trackers=False``: an export of the latest checkpoint logs nothing)
+        self.trackers = (
+            build_trackers(cfg, cfg.run_dir, resume) if self.rank == 0 and trackers else None
+        )
         # The one weight sender (every rank gathers; rank 0 broadcasts, writes and announces).
         self.sender = build_sender(cfg, self.client if self.rank == 0 else None, self.rank,
                                    self.device, compute_dtype(cfg.model))  # fmt: skip
@@ -358,7 +364,10 @@ class LearnerService(LearnerReporting):
         if self.rank != 0:
             dist.barrier()
             return None
-        model = load_policy(self.cfg.model.model_copy(update={"device": "cpu"}), 0).model
+        with torch.random.fork_rng():  # (the rank's own random state goes on untouched)
+            model = load_policy(self.cfg.model.model_copy(update={"device": "cpu"}), 0).model
+            if self.cfg.model.lora.enabled:  # (peft's names: merged and the adapter directory)
+                model = lora.wrap(model, self.cfg.model.lora)  # type: ignore[assignment]
         model.load_state_dict(sd)
         export_hf(model, self.tokenizer, path)
         dist.barrier()
@@ -484,7 +493,17 @@ class LearnerService(LearnerReporting):
         if not lost:  # (the run's status is the learner's that took the lease over)
             self._status("done" if finished else "stopped")
         self.sender.close()
+        if self.trackers is not None:  # (rank 0's)
+            self.trackers.log_summary(dict(self.state.__dict__))
+        self.close_trackers()
         return self.state
+
+    def close_trackers(self) -> None:
+        """Close the trackers (rank 0's), once: after the last rows, or on the way out of an
+        error (``learner/ranks.py``), so that their last rows are written and their runs end."""
+        trackers, self.trackers = self.trackers, None
+        if trackers is not None:
+            trackers.close()
 
     def _between_updates(self) -> Literal["go", "stop", "lost", "pause"]:
         """Every rank's requests and the run's control between two updates, agreed by all ranks

@@ -125,7 +125,7 @@ class Learner:
             share=self.share_prompts,
         )
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # (LoRA: the adapters)
             lr=self.learner_cfg.lr,
             betas=self.learner_cfg.adam_betas,
             weight_decay=self.learner_cfg.weight_decay,

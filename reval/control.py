@@ -8,7 +8,8 @@ Keys of run R (built in ``reval.redis``; the run's hash tag, so one Redis Cluste
   the desired rollout ``workers`` (``reval launch`` scales to it), the sequence numbers of
   ``checkpoint`` and ``export`` requests, one field ``hp:<name>`` (a JSON number) per live
   hyperparameter requested (``LiveHParams``), and what ``reval launch``'s driver adds about
-  itself (``driver_seen`` and its status, ``driver``).
+  itself (``driver_seen`` and its status, ``driver``; its mark, ``launcher``: the run's
+  workers follow ``workers``).
 - ``status`` (hash): what the learner reports after each update (phase, step,
   policy version, the last metrics, the checkpoints, the hyperparameters in force).
 - ``events`` (stream): every request and every change applied, with the learner's
@@ -180,6 +181,10 @@ class RunStatus(BaseModel):
 
 DRIVER_TIMEOUT_S = 30.0
 """A ``reval launch`` driver whose heartbeat is older than this is gone."""
+
+LAUNCH_START_S = 900.0
+"""A ``reval launch`` driver's mark with no heartbeat since, older than this, is a driver that
+died while it started (its placement wait is 600 s, then the learner's start)."""
 
 STARTING_BEAT_S = 5.0
 """While ``reval learner`` starts (the model, the tiny model's pretraining, the ranks joining),
@@ -355,6 +360,34 @@ class RunControl:
             return None
         out = json.loads(raw)
         return out if isinstance(out, dict) else None
+
+    def mark_launched(self, where: Mapping[str, Any]) -> None:
+        """``reval launch``'s driver marks the run it drives, at its start (before the learner
+        registers the run, which shows it as started outside the API): it starts and drains the
+        run's workers to the desired count. ``where``: its Ray (``ray_address``, None for a Ray
+        of its own; that one's ``cpus`` and ``room`` for CPU workers)."""
+        mark = json.dumps({**where, "since": time.time()}, default=str)
+        self.client.hset(self.control, "launcher", mark)
+
+    def launcher(self) -> dict[str, Any] | None:
+        """The mark of the ``reval launch`` driver that drives the run (``mark_launched``) while
+        it does: its heartbeat is fresher than ``DRIVER_TIMEOUT_S``, or it marked the run since
+        its last heartbeat less than ``LAUNCH_START_S`` ago (Ray placing the learner, its
+        start). None for a run no driver drives (compose, ``reval learner`` by hand)."""
+        seen, raw = self.client.hmget(self.control, ["driver_seen", "launcher"])
+        try:
+            mark = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return None
+        if not isinstance(mark, dict):
+            return None
+        now, beat = time.time(), _float(seen.decode() if seen else None)
+        if beat is not None and now - beat < DRIVER_TIMEOUT_S:
+            return mark
+        since = _float(str(mark.get("since")))
+        if since is None or (beat is not None and beat >= since) or now - since >= LAUNCH_START_S:
+            return None
+        return mark
 
     def restart(self) -> None:
         """The run starts again: its last final status goes and its phase is running."""

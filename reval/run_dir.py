@@ -22,6 +22,12 @@ def latest_in(checkpoints: Path) -> Path | None:
     return checkpoints / latest.read_text().strip()
 
 
+def checkpoint_step(name: str) -> int:
+    """The policy version of a checkpoint by its directory's name (``step-00000042``: 42;
+    ``learner/checkpoint.py`` names them). ValueError for another name."""
+    return int(name.removeprefix("step-"))
+
+
 @dataclass(frozen=True)
 class RunDir:
     """The files of one run."""

@@ -251,6 +251,14 @@ def score_all(
     return [verifier.score(p, r) for p, r in pairs]
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluation's avg@n and, per prompt, its first answer: (prompt, answer, score)."""
+
+    success: float
+    answers: list[tuple[str, str, float]]
+
+
 def evaluate(
     engine: GenerationEngine,
     tokenizer: PreTrainedTokenizerBase,
@@ -261,10 +269,11 @@ def evaluate(
     max_new_tokens: int,
     seed: int,
     episodes: EpisodeRunner | None = None,
-) -> float:
-    """avg@n: per prompt the mean 0/1 score of n sampled answers, then the mean over prompts.
-    With ``episodes`` an answer is an episode scored by its environment's reward (one whose
-    environment misbehaved scores 0)."""
+) -> Evaluation:
+    """avg@n: per prompt the mean 0/1 score of n sampled answers, then the mean over prompts;
+    each prompt's first answer as graded. With ``episodes`` an answer is an episode scored by
+    its environment's reward (one whose environment misbehaved scores 0), its text the model's
+    turns and the observations between them."""
     params = SamplingParams(
         n=samples_per_prompt, temperature=temperature, max_new_tokens=max_new_tokens
     )
@@ -272,14 +281,18 @@ def evaluate(
     if episodes is not None:
         played = episodes.run(engine, tokenizer, prompts, prompt_ids, params, seed)
         means = [sum(e.reward if e.error is None else 0.0 for e in g) / len(g) for g in played]
-        return sum(means) / len(means)
+        firsts = [
+            (p.text, answer_text(tokenizer, g[0].tokens, ()),  # (the whole episode)
+             g[0].reward if g[0].error is None else 0.0)
+            for p, g in zip(prompts, played, strict=True)
+        ]  # fmt: skip
+        return Evaluation(sum(means) / len(means), firsts)
     samples = engine.generate(prompt_ids, params, seed)
-    per_prompt = []
+    per_prompt, answers = [], []
     for prompt, group in zip(prompts, samples, strict=True):
-        scores = score_all(
-            task.verifier,
-            [(prompt, answer_text(tokenizer, s.token_ids, engine.stop_ids)) for s in group],
-            [s.finish_reason for s in group],
-        )
+        texts = [answer_text(tokenizer, s.token_ids, engine.stop_ids) for s in group]
+        scores = score_all(task.verifier, [(prompt, t) for t in texts],
+                           [s.finish_reason for s in group])  # fmt: skip
         per_prompt.append(sum(scores) / len(scores))
-    return sum(per_prompt) / len(per_prompt)
+        answers.append((prompt.text, texts[0], float(scores[0])))
+    return Evaluation(sum(per_prompt) / len(per_prompt), answers)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from buffer.records import FinishReason
+from reval import lora
 from reval.weights.receiver import LocalReceiver, WeightReceiver
 
 
@@ -248,6 +249,8 @@ class HFEngine:
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         params.update(self.model.state_dict(keep_vars=True))
+        if lora.is_lora(self.model):  # (a LoRA base file has the base's names: the aliases)
+            params.update({lora.base_name(n): t for n, t in list(params.items())})
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"load_weights: the model has no tensor named {name!r}")

@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from reval import lora
 from reval.config import RunConfig
 from reval.policy import compute_dtype, load_policy, model_source
 from rollout.engines import GenerationEngine, HFEngine
@@ -63,6 +64,9 @@ def build_engine(
             model, kw["tokenizer"] = tiny_checkpoint(cfg, seed, Path(tmp.name))
         else:
             model = model_source(cfg.model.name_or_path)
+        lora_cfg = cfg.model.lora
+        if lora_cfg.enabled and lora_cfg.publish == "adapter":  # (versions are adapters)
+            kw.update(lora_rank=lora_cfg.rank, lora_alpha=lora_cfg.scale_alpha)
         if r.streams():
             from rollout.vllm_engine import streaming_engine_kwargs
 
@@ -79,7 +83,10 @@ def build_engine(
         )
         return engine, engine.tokenizer
     policy = load_policy(cfg.model, seed)
-    policy.model.to(compute_dtype(cfg.model)).eval()  # (it only generates: no fp32 masters)
-    engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device,
+    model = policy.model
+    if cfg.model.lora.enabled and cfg.model.lora.publish == "adapter":
+        model = lora.wrap(model, cfg.model.lora)  # (versions are adapters: peft's names)
+    model.to(compute_dtype(cfg.model)).eval()  # (it only generates: no fp32 masters)
+    engine = HFEngine(model, policy.pad_id, policy.eos_id, policy.device,
                       stop_ids=policy.stop_ids)  # fmt: skip
     return engine, policy.tokenizer

@@ -69,20 +69,20 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from buffer.records import FinishReason
 from reval.answers import generation_eos_ids, stop_token_ids
 from reval.weights.files import save_tensors
-from reval.weights.receiver import LocalReceiver
+from rollout import vllm_lora
 from rollout.engines import Finished, InflightMode, Sample, SamplingParams
+from rollout.vllm_worker import EXTENSION, VLLMReceiver
 
 log = logging.getLogger("reval.vllm")
 
@@ -195,6 +195,8 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         deterministic: bool = False,
         checkpoint_dir: Any = None,
+        lora_rank: int = 0,
+        lora_alpha: float | None = None,
         **engine_kwargs: Any,
     ) -> None:
         want = ".".join(map(str, SUPPORTED_VLLM))
@@ -208,7 +210,7 @@ class VLLMEngine:
         check_vllm_version(vllm.__version__)
         from vllm.platforms import current_platform
 
-        for key, ours in (("logprobs_mode", LOGPROBS_MODE), ("worker_extension_cls", _EXT)):
+        for key, ours in (("logprobs_mode", LOGPROBS_MODE), ("worker_extension_cls", EXTENSION)):
             if engine_kwargs.get(key, ours) != ours:
                 raise ValueError(f"VLLMEngine sets {key}={ours!r} itself")
         self.device = torch.device(str(current_platform.device_type))
@@ -226,7 +228,7 @@ class VLLMEngine:
             "tensor_parallel_size": tensor_parallel_size,
             **engine_kwargs,
             "logprobs_mode": LOGPROBS_MODE,
-            "worker_extension_cls": _EXT,
+            "worker_extension_cls": EXTENSION,
         }
         if gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = gpu_memory_utilization
@@ -236,6 +238,8 @@ class VLLMEngine:
             args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         if max_model_len is not None:
             args["max_model_len"] = max_model_len
+        if lora_rank:
+            args.update(vllm_lora.engine_kwargs(lora_rank))
         self._vllm = vllm
         self.llm: Any = vllm.LLM(**args)
         mode = self.llm.llm_engine.model_config.logprobs_mode
@@ -262,6 +266,18 @@ class VLLMEngine:
         self.checkpoint_dir = checkpoint_dir
         """Whatever must live as long as the engine (a ``TemporaryDirectory`` holding the
         checkpoint it started from, removed by ``close``)."""
+        self.adapter: vllm_lora.AdapterSlot | None = None
+        """With ``lora_rank``: versions are LoRA adapters, served from vLLM's one adapter slot
+        (``rollout/vllm_lora.py``; ``lora_alpha`` defaults to ``2 * lora_rank``)."""
+        self._adapter_dir: tempfile.TemporaryDirectory[str] | None = None
+        if lora_rank:
+            self._adapter_dir = tempfile.TemporaryDirectory(
+                prefix="reval-lora-", dir=vllm_lora.adapter_root()
+            )
+            path = Path(self._adapter_dir.name)
+            alpha = 2.0 * lora_rank if lora_alpha is None else float(lora_alpha)
+            self.llm.collective_rpc("reval_set_lora", args=(str(path), alpha, int(lora_rank)))
+            self.adapter = vllm_lora.AdapterSlot(self.llm, path)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -287,7 +303,7 @@ class VLLMEngine:
             ]
         else:
             sps = [self._sampling_params(params, None)] * len(prompts)
-        outputs = self.llm.generate(requests, sps, use_tqdm=False)
+        outputs = self.llm.generate(requests, sps, use_tqdm=False, lora_request=self._lora())
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         result = []
@@ -332,6 +348,12 @@ class VLLMEngine:
         # without prefix caching (``streaming_engine_kwargs``): nothing cached to drop, and a
         # reset would fail while blocks are in use.
         engine = self.llm.llm_engine
+        if self.adapter is not None:
+            received = self.receiver.adapters()
+            if received > self.adapter.loaded:
+                self.adapter.load(received)
+            else:  # (full weights: a lineage's base, reloaded in place)
+                self.adapter.clear()
         caching = bool(engine.vllm_config.cache_config.enable_prefix_caching)
         if self.inflight == "recompute" or caching or not engine.has_unfinished_requests():
             recompute = self.inflight == "recompute"
@@ -349,7 +371,12 @@ class VLLMEngine:
             raise ValueError("empty prompt")
         sp = self._sampling_params(params, seed % (1 << 62) if self.deterministic else None)
         sp.output_kind = self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY
-        self.llm.llm_engine.add_request(key, {"prompt_token_ids": [int(t) for t in prompt]}, sp)
+        prompt_ids = {"prompt_token_ids": [int(t) for t in prompt]}
+        self.llm.llm_engine.add_request(key, prompt_ids, sp, lora_request=self._lora())
+
+    def _lora(self) -> Any:
+        """The adapter every request runs with (None: no LoRA, or none loaded yet)."""
+        return None if self.adapter is None else self.adapter.request
 
     def step(self) -> list[Finished]:
         """One engine step (a decode step of every running answer, prefills of new ones); the
@@ -414,6 +441,8 @@ class VLLMEngine:
         if engine_core is not None:
             engine_core.shutdown()
         self.llm = None
+        if self._adapter_dir is not None:
+            self._adapter_dir.cleanup()
         cleanup = getattr(self.checkpoint_dir, "cleanup", None)
         if cleanup is not None:
             cleanup()
@@ -425,147 +454,9 @@ def streaming_engine_kwargs(inflight: InflightMode) -> dict[str, Any]:
     return {"enable_prefix_caching": False} if inflight == "keep" else {}
 
 
-class RevalWorkerExtension:
-    """Mixed into vLLM's worker (GPU or CPU) through ``worker_extension_cls`` and called with
-    ``LLM.collective_rpc``; runs in the worker process, next to the model. ``self`` is the vLLM
-    ``Worker`` (``device``, ``rank``, ``reload_weights``). Names start with ``reval_``: vLLM
-    refuses an extension whose attributes clash with the worker's."""
-
-    if TYPE_CHECKING:
-        device: torch.device
-        rank: int
-        _reval_receiver: LocalReceiver | None
-
-        def reload_weights(self, *args: Any, **kwargs: Any) -> None: ...
-
-        def get_model(self) -> nn.Module: ...
-
-    def _reval_reload(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """vLLM's in-place reload (``model_executor/model_loader/reload/``): each layer is
-        restored to its checkpoint layout, loaded, processed (the CPU backend's repacking,
-        quantization) and copied back into the tensors the kernels use. One call per version:
-        a layer whose weights arrived only in part would be processed half-loaded."""
-        with torch.no_grad():
-            self.reload_weights(weights_iterator=weights)
-            self._reval_process_tied()
-
-    def _reval_process_tied(self) -> None:
-        """Process again every layer whose weight is tied to another layer's (the LM head tied
-        to the embedding): the reload processes only the layer that loaded the weight, so the
-        CPU backend's packed GEMM copy of a tied LM head (``dispatch_cpu_unquantized_gemm``)
-        would keep the old weights (measured: log-probs off by 0.8 after a reload). On CUDA the
-        unquantized embedding's processing does nothing."""
-        owners: dict[int, list[nn.Module]] = {}
-        for module in self.get_model().modules():
-            weight = module._parameters.get("weight")
-            if weight is not None:
-                owners.setdefault(id(weight), []).append(module)
-        for modules in owners.values():
-            if len(modules) < 2:
-                continue
-            for module in modules:
-                method = getattr(module, "quant_method", None)
-                if method is not None:
-                    method.process_weights_after_loading(module)
-
-    def _reval_load(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
-        self._reval_reload(weights)
-
-    def _reval_here(self) -> LocalReceiver:
-        """This worker's receiver (the one ``LocalReceiver`` code, next to the model)."""
-        r = getattr(self, "_reval_receiver", None)
-        if r is None:
-            r = self._reval_receiver = LocalReceiver(self._reval_load, self.device)
-        return r
-
-    def reval_load_file(self, path: str, version: int) -> bool:
-        return self._reval_here().load_file(Path(path), version)
-
-    def reval_join(self, address: str, worker_id: str, timeout_s: float) -> bool:
-        member = f"{worker_id}/vllm{getattr(self, 'rank', 0)}"
-        return self._reval_here().join(address, member, timeout_s)
-
-    def reval_state(self) -> tuple[int | None, int]:
-        """(the version received and not taken, versions received so far)."""
-        r = self._reval_here()
-        return r.ready(), r.received()
-
-    def reval_take(self, version: int, newer_than: int) -> bool:
-        """Load ``version`` if this worker holds it and it is newer than ``newer_than``."""
-        newer = None if newer_than < 0 else newer_than
-        return self._reval_here().take(newer, only=version) is not None
-
-    def reval_leave(self) -> None:
-        self._reval_here().leave()
-
-
-class VLLMReceiver:
-    """``VLLMEngine.receiver``: the ``WeightReceiver`` protocol, each call forwarded to the
-    ``LocalReceiver`` inside every vLLM worker (``RevalWorkerExtension``). Tensor-parallel
-    workers load a broadcast version only when all of them hold it."""
-
-    def __init__(self, engine: VLLMEngine) -> None:
-        self.engine = engine
-        self.timeout_s = 60.0
-        """The hub's timeout (from ``join``): how long workers may hold different versions."""
-
-    def _rpc(self, method: str, *args: Any) -> list[Any]:
-        return list(self.engine.llm.collective_rpc(method, args=args))
-
-    def load_file(self, path: Path, version: int) -> bool:
-        if not all(self._rpc("reval_load_file", str(path), version)):
-            return False
-        self.engine._weights_changed(version)
-        return True
-
-    def join(self, address: str, worker_id: str, timeout_s: float) -> bool:
-        self.timeout_s = float(timeout_s)
-        if not all(self._rpc("reval_join", address, worker_id, float(timeout_s))):
-            self.leave()
-            return False
-        return True
-
-    def take(self, newer_than: int | None) -> int | None:
-        """The version every worker holds, loaded by all. A worker that received the next
-        version between the state and the take declines (the others loaded): then the workers
-        wait until they all hold one version again and load it, so they never keep different
-        weights (at most the hub's timeout)."""
-        partial, deadline = False, time.monotonic() + self.timeout_s
-        while True:
-            versions = {v for v, _ in self._rpc("reval_state")}
-            version = versions.pop() if len(versions) == 1 else None
-            if version is None:
-                if not partial:
-                    return None
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the vLLM workers hold different weights")
-                time.sleep(0.01)
-                continue
-            floor = -1 if partial or newer_than is None else newer_than
-            loaded = self._rpc("reval_take", version, floor)
-            if all(loaded):
-                self.engine._weights_changed(version)
-                return version
-            if not any(loaded) and not partial:
-                return None
-            partial = True
-
-    def received(self) -> int:
-        return min(n for _, n in self._rpc("reval_state"))
-
-    def leave(self) -> None:
-        if self.engine.llm is not None:  # (None once the engine closed)
-            self._rpc("reval_leave")
-
-
-_EXT = f"{RevalWorkerExtension.__module__}.{RevalWorkerExtension.__qualname__}"
-"""Qualified name for ``worker_extension_cls`` (imported by name in vLLM's worker process)."""
-
 __all__ = [
     "SUPPORTED_VLLM",
-    "RevalWorkerExtension",
     "VLLMEngine",
-    "VLLMReceiver",
     "check_vllm_version",
     "sampling_kwargs",
     "streaming_engine_kwargs",

@@ -45,6 +45,7 @@ from reval.config import RunConfig
 from reval.control import RunControl
 from reval.redis import connect
 from reval.retry import cut_short, skip_on_outage, stop_waiting
+from reval.signals import off_main
 from reval.threads import apply as apply_threads
 from reval.threads import budget as thread_budget
 from reval.threads import tick as thread_tick
@@ -552,13 +553,13 @@ def main(cfg: RunConfig, worker_id: str | None, max_batches: int | None, port: i
     metrics = RolloutMetrics()
     worker = RolloutWorker(cfg, worker_id, metrics)
 
-    def on_signal(signum: int, _frame: object) -> None:
+    def on_signal(signum: int) -> None:
         log.info("worker %s: signal %d, draining", worker.worker_id, signum)
         worker.stop.set()
         stop_waiting()  # (a wait for Redis ends now: its records go to the spool directory)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, off_main(on_signal))  # (reval/signals.py: why a thread)
+    signal.signal(signal.SIGINT, off_main(on_signal))
     if port is not None:
         from reval.ops_http import OpsServer
 

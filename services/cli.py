@@ -188,6 +188,24 @@ def _train_refusal(cfg: RunConfig, args: argparse.Namespace) -> tuple[str | None
     return refusal, problem
 
 
+def port_refused(command: str, port: int | None, addr: str, setting: str) -> int | None:
+    """One line naming ``addr:port`` and ``setting`` (what moves it), exit status 2, when the
+    metrics port cannot be bound: checked before the command's long work (set-up, pretraining,
+    Ray), not found minutes later as a traceback. None: it is free, or nothing is served."""
+    if not port:
+        return None
+    from reval.ops_http import PortTaken, check_port
+
+    try:
+        check_port(port, addr)
+    except PortTaken as err:
+        why = os.strerror(err.errno) if err.errno else "cannot be bound"
+        return fail(command, f"cannot serve metrics and health on {addr}:{port} ({why}): "
+                    f"another process holds the port; stop it, or pick a free one with "
+                    f"{setting}<port> (0: any free)")  # fmt: skip
+    return None
+
+
 def _train(cfg: RunConfig, args: argparse.Namespace) -> int:
     """``reval train``: refuse another run's directory (or a stopped run's, without
     ``--resume`` or ``--overwrite``), say what it starts at once (before torch is imported),
@@ -199,6 +217,10 @@ def _train(cfg: RunConfig, args: argparse.Namespace) -> int:
     refusal, problem = _train_refusal(cfg, args)
     if refusal is not None:
         return fail("train", refusal)
+    port = cfg.metrics.prometheus_port
+    refused = port_refused("train", port, cfg.metrics.addr, "--set metrics.prometheus_port=")
+    if refused is not None:
+        return refused
     latest = cfg.paths.latest_checkpoint()
     if args.resume and latest is not None:
         doing = f"resuming from {latest} ({_checkpoint_at(latest)}); setting up (model, task)"
@@ -346,14 +368,18 @@ def _eval_follow(cfg: Any, args: argparse.Namespace, names: list[str]) -> int:
     import signal
     import threading
 
+    from reval.signals import off_main
     from services.evaluate import EvalMetrics, follow
 
     if cfg.buffer.backend != "redis":
         print("reval eval --follow: needs buffer.backend=redis (the run's Redis)", file=sys.stderr)
         return 2
+    refused = port_refused("eval", args.metrics_port, cfg.metrics.addr, "--metrics-port ")
+    if refused is not None:
+        return refused
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda _s, _f: stop.set())
+        signal.signal(sig, off_main(lambda _s: stop.set()))  # (reval/signals.py: why)
     metrics = EvalMetrics()
     if args.metrics_port is not None:
         from reval.ops_http import OpsServer
@@ -389,7 +415,9 @@ def _launch(cfg: Any, args: argparse.Namespace) -> int:
             return 1
         print(json.dumps(status), flush=True)
         return 0
-    refused = refuse_another_run(cfg, "launch", args.resume)
+    refused = refuse_another_run(cfg, "launch", args.resume) or port_refused(
+        "launch", cfg.launch.metrics_port, cfg.metrics.addr, "--set launch.metrics_port="
+    )
     if refused is not None:
         return refused
     try:

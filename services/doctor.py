@@ -4,9 +4,10 @@ It checks what a long GPU run otherwise finds out hours in: CUDA and NCCL, that 
 GPUs the config reserves, shared memory for NCCL and vLLM, that the ports the run binds are free,
 that the replay service's Redis answers, the vLLM release (the adapter's own gate,
 ``rollout.vllm_engine.check_vllm_version``), that a GPU run has a token budget (a warning: it
-runs without one, padded), free disk for checkpoints, and the thread budget of each role
-(``reval/threads.py``). Every failing or warning check says what
-to change; the exit status is 1 when any check failed.
+runs without one, padded), free disk for checkpoints, the thread budget of each role
+(``reval/threads.py``), and with ``model.lora`` the learner's memory against full
+fine-tuning. Every failing or warning check says what to change; the exit status is 1 when
+any check failed.
 
 The checks are pure functions of :class:`Facts` (what the node has), which :func:`gather` reads
 from the machine; tests hand them made-up facts.
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from learner.memory import ModelShape, adapter_params, state_bytes
 from reval.config import ConfigError, RunConfig, load_config
 from reval.threads import ThreadBudget, budget, machine_cpus
 
@@ -79,6 +81,8 @@ class Facts:
     """Port -> the error binding it gave (only ports that could not be bound)."""
     threads: list[ThreadBudget] = field(default_factory=list)
     """The thread budget of each role on this node (:func:`thread_budgets`)."""
+    model_shape: ModelShape | None = None
+    """The policy's shape, when its ``config.json`` is on this disk (:func:`model_shape`)."""
 
 
 def needs_gpu(cfg: RunConfig) -> bool:
@@ -287,6 +291,46 @@ def check_disk(cfg: RunConfig, f: Facts) -> Check:
     return Check("disk", "ok", f"{_gb(f.disk_free_bytes)} free at {f.disk_path} (want {_gb(need)})")
 
 
+def model_shape(cfg: RunConfig) -> ModelShape | None:
+    """The shape of a local checkpoint (its ``config.json``), its parameters counted from it
+    (embeddings, the decoder layers' linear layers and norms); None without one."""
+    path = cfg.model.name_or_path
+    config = Path(path) / "config.json" if path else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        c = json.loads(config.read_text())
+        c.setdefault("num_key_value_heads", c.get("num_attention_heads"))
+        shape = ModelShape.of(argparse.Namespace(**c), 0)
+        vocab = int(c["vocab_size"])
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None  # (another layout, e.g. a multimodal config's text_config: no figures)
+    layer = sum(i * o for i, o in shape.linears().values()) + 2 * shape.hidden
+    embed = vocab * shape.hidden * (1 if c.get("tie_word_embeddings") else 2)
+    params = embed + shape.layers * layer + shape.hidden
+    return ModelShape(params, shape.layers, shape.hidden, shape.intermediate, shape.heads,
+                      shape.kv_heads, shape.head_dim)  # fmt: skip
+
+
+def check_lora(cfg: RunConfig, f: Facts) -> Check:
+    """What the learner's state needs per rank with LoRA against full fine-tuning
+    (``learner.memory.state_bytes``: no reference model, AdamW over the adapters only)."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return Check("lora", "skip", "model.lora.rank = 0: full fine-tuning")
+    if f.model_shape is None:
+        return Check("lora", "skip", f"rank {lora.rank}: the model's config.json is not on this "
+                     "disk (a hub id or the tiny model): no memory figures")  # fmt: skip
+    shape, world = f.model_shape, cfg.learner.world_size
+    full = state_bytes(cfg.model_copy(update={"model": cfg.model.model_copy(
+        update={"lora": lora.model_copy(update={"rank": 0})})}), shape, world)  # fmt: skip
+    state = _gb(state_bytes(cfg, shape, world))
+    return Check("lora", "ok", (
+        f"rank {lora.rank}: {adapter_params(shape, lora):,} adapter parameters of "
+        f"{shape.params:,}; learner state {state} per rank against {_gb(full)} for full "
+        "fine-tuning (no reference model, AdamW over the adapters)"))  # fmt: skip
+
+
 # -- the machine -------------------------------------------------------------------------------
 
 
@@ -363,6 +407,7 @@ def gather(cfg: RunConfig) -> Facts:
         vllm_version=vllm,
         ports_in_use=busy,
         threads=thread_budgets(cfg),
+        model_shape=model_shape(cfg),
     )
 
 
@@ -395,6 +440,7 @@ def run_checks(cfg: RunConfig, facts: Facts, redis_err: str | None) -> list[Chec
         check_token_budget(cfg, facts),
         check_disk(cfg, facts),
         check_threads(cfg, facts),
+        check_lora(cfg, facts),
     ]
 
 

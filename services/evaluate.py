@@ -29,6 +29,7 @@ import numpy as np
 
 from reval.answers import answer_text
 from reval.config import RunConfig
+from reval.trackers import ANSWER_COLUMNS, EVAL_TABLE, Table, Trackers, eval_trackers
 from rollout.collect import score_all
 from rollout.engines import SamplingParams
 from rollout.eval_sets import BENCHMARKS, Benchmark, BenchmarkSpec, Problem, load_benchmark
@@ -55,6 +56,8 @@ class BenchmarkResult:
     components: dict[str, float] = field(default_factory=dict)
     """A custom reward's named components, each averaged over every answer graded (empty for
     graders without components), as ``reval train``'s rows carry them (``reward/NAME``)."""
+    answers: list[tuple[str, str, float]] = field(default_factory=list)
+    """Each problem's first answer: (prompt, answer, score) (the trackers' table)."""
 
 
 def evaluate_benchmark(
@@ -73,6 +76,7 @@ def evaluate_benchmark(
     pairs."""
     t0 = time.perf_counter()
     scores: list[float] = []
+    answers: list[tuple[str, str, float]] = []
     drain = getattr(verifier, "drain_components", None)  # (a custom reward's components)
     if drain is not None:
         drain()  # (what it graded before this benchmark is not this benchmark's)
@@ -95,6 +99,7 @@ def evaluate_benchmark(
         k = params.n
         for j in range(len(chunk)):
             scores.append(float(np.mean(graded[j * k : (j + 1) * k])))
+            answers.append((texts[j], pairs[j * k][1], float(graded[j * k])))
         if progress is not None:
             progress.update(len(chunk))
     return BenchmarkResult(
@@ -107,6 +112,7 @@ def evaluate_benchmark(
         per_problem=scores,
         seconds=time.perf_counter() - t0,
         components=dict(sorted(drain().items())) if drain is not None else {},
+        answers=answers,
     )
 
 
@@ -282,9 +288,9 @@ class EvalMetrics:
 
 def _evaluate_version(
     cfg: RunConfig, loaded: Any, engine: Any, tokenizer: Any, params: Any, version: int
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, BenchmarkResult]]:
     """The ``eval.jsonl`` row of the weights loaded (``version``): each benchmark's avg@k, their
-    mean, a custom reward's components."""
+    mean, a custom reward's components; and each benchmark's result."""
     t0 = time.perf_counter()
     results = _evaluate_all(cfg, loaded, engine, tokenizer, params)
     scores = {n: r.avg_at_k for n, r in results.items()}
@@ -294,7 +300,20 @@ def _evaluate_version(
     components = {n: r.components for n, r in results.items() if r.components}
     if components:
         record["components"] = components
-    return record
+    return record, results
+
+
+def _track(trackers: Trackers, record: dict[str, Any], results: dict[str, BenchmarkResult],
+           rows: int) -> None:  # fmt: skip
+    """One evaluation to the evaluator's trackers (``eval_trackers``) at its version: ``avg``
+    and each benchmark's avg@k (``eval/NAME``) and, per benchmark, a table of its first
+    ``rows`` answers (``eval/answers/NAME``)."""
+    version = record["policy_version"]
+    scores = {f"eval/{n}": v for n, v in record["scores"].items()}
+    trackers.log_row(version, {"eval/avg": record["avg"], **scores})
+    for name, result in results.items():
+        table = Table(ANSWER_COLUMNS, tuple(result.answers[:rows]))
+        trackers.log_table(f"{EVAL_TABLE}/{name}", version, table)
 
 
 def _report(record: dict[str, Any], writer: Any, control: Any, metrics: EvalMetrics | None) -> None:
@@ -340,6 +359,7 @@ def follow(
     from reval.metrics import JsonlWriter
     from reval.redis import connect
     from reval.weights.files import UNREADABLE, run_store
+    from reval.weights.http_files import FileFetcher
 
     if every < 1:
         raise ValueError("--every must be >= 1")
@@ -352,29 +372,40 @@ def follow(
     writer = JsonlWriter(cfg.paths.eval_log)
     done: list[dict[str, Any]] = []
     last: int | None = None
-    while not stop.is_set() and (max_evals is None or len(done) < max_evals):
-        try:
-            ann = store.latest()
-        except (redis.ConnectionError, redis.TimeoutError):
-            ann = None
-        # (the newest version with a file: the files lag the broadcast a little)
-        version = ann.file_version if ann is not None else None
-        if (
-            ann is None
-            or ann.path is None
-            or version is None
-            or (last is not None and version < last + every)
-        ):
-            stop.wait(poll_s)
-            continue
-        try:
-            tensors = store.load(ann.path)
-        except UNREADABLE:  # pruned before we read it: the next one
-            stop.wait(poll_s)
-            continue
-        engine.load_weights(tensors, version)
-        record = _evaluate_version(cfg, loaded, engine, tokenizer, params, version)
-        _report(record, writer, control, metrics)
-        done.append(record)
-        last = version
+    base: Path | None = None
+    fetcher = FileFetcher()  # (the files of a learner on another host: over HTTP)
+    trackers = eval_trackers(cfg)  # (runs of their own: NAME-eval)
+    try:
+        while not stop.is_set() and (max_evals is None or len(done) < max_evals):
+            try:
+                ann = store.latest()
+            except (redis.ConnectionError, redis.TimeoutError):
+                ann = None
+            # (the newest version with a file: the files lag the broadcast a little)
+            version = ann.file_version if ann is not None else None
+            if (
+                ann is None
+                or ann.path is None
+                or version is None
+                or (last is not None and version < last + every)
+            ):
+                stop.wait(poll_s)
+                continue
+            try:
+                if ann.base is not None and ann.base != base:  # (LoRA adapters alone: their base)
+                    engine.load_weights(store.load(fetcher.local(ann.base, ann.files_url)), version)
+                    base = ann.base
+                tensors = store.load(fetcher.local(ann.path, ann.files_url, ann.lineage))
+            except UNREADABLE:  # pruned before we read it: the next one
+                stop.wait(poll_s)
+                continue
+            engine.load_weights(tensors, version)
+            record, results = _evaluate_version(cfg, loaded, engine, tokenizer, params, version)
+            _report(record, writer, control, metrics)
+            _track(trackers, record, results, cfg.metrics.tracker_answers)
+            done.append(record)
+            last = version
+    finally:
+        fetcher.close()
+        trackers.close()
     return done

@@ -48,8 +48,11 @@ from buffer.redis_layout import RingCorrupt
 from reval.config import RunConfig
 from reval.ratelog import RateLog
 from reval.retry import skip_on_outage
+from reval.run_dir import checkpoint_step
+from reval.signals import off_main
 from reval.threads import machine_cpus
 from services.launch_actors import RING_CORRUPT, LearnerRank, RolloutActor
+from services.launch_cluster import cluster_sync, failure_line
 
 log = logging.getLogger("reval.launch")
 
@@ -118,6 +121,7 @@ class Launch:
         lc = cfg.launch
         self.world = cfg.learner.world_size
         cores: int | None = None  # (a Ray of someone else's: its nodes are not known here)
+        ray_at: dict[str, Any] = {"ray_address": os.environ.get("RAY_ADDRESS") or None}
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS") or None
             if address is None:  # an empty RAY_ADDRESS (compose) means a local Ray
@@ -125,9 +129,13 @@ class Launch:
             kwargs: dict[str, Any] = {"namespace": lc.namespace, "log_to_driver": True}
             if address:
                 kwargs["address"] = address
+                cfg = self.cfg = cluster_sync(cfg)
             else:
                 cores = machine_cpus()
                 kwargs["num_cpus"] = lc.local_ray_cpus(self.world, cores)
+                ray_at["cpus"] = kwargs["num_cpus"]
+                if not lc.rollout_gpus:  # (GPU workers: their room is the GPUs')
+                    ray_at["room"] = lc.local_ray_room(self.world, cores)
             t0 = time.monotonic()
             log.info("starting Ray: %s", f"joining {address}" if address else
                      f"a local one with {kwargs['num_cpus']} CPUs")  # fmt: skip
@@ -145,7 +153,8 @@ class Launch:
         if self.control.driver() is not None:
             raise RuntimeError(f"run {cfg.name!r} is already launched (its driver's heartbeat "
                                "is in Redis)")  # fmt: skip
-        bundle: dict[str, float] = {"CPU": self.learner_cpus}
+        self.control.mark_launched(ray_at)  # (the API's scale answers: this driver scales it)
+        bundle: dict[str, float] = {"CPU": self.learner_cpus, **lc.learner_resources}
         if lc.learner_gpus:
             bundle["GPU"] = lc.learner_gpus
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy=lc.placement)
@@ -185,34 +194,25 @@ class Launch:
 
     # -- learner --------------------------------------------------------------------------------
 
-    def _ckpt_exists(self) -> bool:
-        return self.cfg.paths.has_checkpoint()
-
-    def start_learner(self, resume: bool) -> None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        lc = self.cfg.launch
-        cls = self.ray.remote(LearnerRank)
-        self.ranks = [
-            cls.options(
-                num_cpus=self.learner_cpus,
-                num_gpus=lc.learner_gpus,
-                max_concurrency=2,  # run() and stop()
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=r
-                ),
-            ).remote(r, self.world)
-            for r in range(self.world)
-        ]
-        (addr, port, pid0), *pids = wait_logged(
-            self.ray, [self.ranks[0].endpoint.remote(), *[a.pid.remote() for a in self.ranks[1:]]],
-            f"the learner's {self.world} rank actor(s) to start", 300,
-        )  # fmt: skip
-        self.rank_pids = [pid0, *(int(p) for p in pids)]
-        from services.setup import prepare_learner  # (the tiny model's pretraining, ...)
-
-        ranks_json = prepare_learner(self.cfg, resume).model_dump_json()
+    def start_learner(self, resume: bool | None) -> None:
+        """The learner's ranks, in the placement group. ``resume``: from the latest checkpoint
+        (``--resume``: one must be there), not (a fresh start), or None: if the learner's host
+        has one (a restart). Rank 0's actor decides on its own host: the checkpoints are on the
+        learner's disk, which may not be the driver's."""
+        addr, port = self._rank_actors()
+        # (the tiny model's pretraining, ..., on the learner's host: its ranks load it there)
+        at_step = 0  # (a restart: the run's newest checkpoint, to refuse starting it over)
+        if resume is None:
+            with contextlib.suppress(redis.RedisError, ValueError):
+                names = self.control.read_status().checkpoints
+                at_step = max(map(checkpoint_step, names), default=0)
+        prepared = self.ranks[0].prepare.remote(self.cfg_json, resume, at_step)
+        ((ranks_json, resume),) = wait_logged(self.ray, [prepared], "the learner's set-up (the "
+                                              "tiny model's pretraining)", 900)  # fmt: skip
         self.rank_refs = [a.run.remote(ranks_json, addr, port, resume) for a in self.ranks]
+        if self.stop_requested:  # (a stop that came while they started went to the old ones)
+            for a in self.ranks:
+                a.stop.remote()
         log.info(
             "learner: %d rank(s) at %s:%d (pids %s)%s",
             self.world,
@@ -221,6 +221,47 @@ class Launch:
             self.rank_pids,
             ", resuming from the latest checkpoint" if resume else "",
         )
+
+    def _rank_actors(self, timeout_s: float = 300.0) -> tuple[str, int]:
+        """The ranks' actors, started: rank 0's address and a free port there. An actor Ray
+        placed on a node that then turned out dead (a learner host killed: its bundle is
+        placed again once Ray marks the node dead) never runs: made again until
+        ``timeout_s``."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        lc = self.cfg.launch
+        cls = self.ray.remote(LearnerRank)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.ranks = [
+                cls.options(
+                    num_cpus=self.learner_cpus,
+                    num_gpus=lc.learner_gpus,
+                    max_concurrency=2,  # run() and stop()
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=r
+                    ),
+                ).remote(r, self.world)
+                for r in range(self.world)
+            ]
+            refs = [self.ranks[0].endpoint.remote(), *[a.pid.remote() for a in self.ranks[1:]]]
+            try:
+                (addr, port, pid0), *pids = wait_logged(
+                    self.ray, refs, f"the learner's {self.world} rank actor(s) to start",
+                    max(1.0, deadline - time.monotonic()),
+                )  # fmt: skip
+            except (ActorDiedError, ActorUnavailableError) as err:
+                for a in self.ranks:
+                    self.ray.kill(a, no_restart=True)
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("a learner rank's actor never ran (%s): placing them again",
+                            failure_line(err))  # fmt: skip
+                time.sleep(2.0)
+                continue
+            self.rank_pids = [pid0, *(int(p) for p in pids)]
+            return addr, port
 
     def _check_learner(self) -> str:
         """'running', 'done' or 'restarted'; raises when out of restarts, and RingCorrupt (no
@@ -249,7 +290,7 @@ class Launch:
             if len(ready) == len(self.rank_refs):
                 return "done"
             return "running"  # rank 0 returned first; the others follow
-        log.error("learner rank failed: %s", str(failed).splitlines()[0] if str(failed) else failed)
+        log.error("learner rank failed: %s", failure_line(failed))
         for a in self.ranks:
             self.ray.kill(a, no_restart=True)
         if self.stop_requested or self.restarts >= self.cfg.launch.max_learner_restarts:
@@ -258,14 +299,12 @@ class Launch:
             )
         self.restarts += 1
         self.metrics.restarts.inc()
-        resume = self._ckpt_exists()
         log.warning(
-            "restarting the learner (%d/%d) %s",
-            self.restarts,
-            self.cfg.launch.max_learner_restarts,
-            "from its latest checkpoint" if resume else "from scratch (no checkpoint yet)",
-        )
-        self.start_learner(resume)
+            "restarting the learner (%d/%d): from its latest checkpoint where its host has one "
+            "(on a cluster, once a node with the learner's resources is up)",
+            self.restarts, self.cfg.launch.max_learner_restarts,
+        )  # fmt: skip
+        self.start_learner(None)
         return "restarted"
 
     # -- workers --------------------------------------------------------------------------------
@@ -278,7 +317,10 @@ class Launch:
             wid = f"{self.cfg.name}-w{self.next_worker}"
             self.next_worker += 1
             actor = cls.options(
-                num_cpus=self.rollout_cpus, num_gpus=lc.rollout_gpus, max_concurrency=2
+                num_cpus=self.rollout_cpus,
+                num_gpus=lc.rollout_gpus,
+                max_concurrency=2,
+                resources=dict(lc.rollout_resources) or None,
             ).remote(wid)
             self.workers[wid] = _Worker(wid, actor, actor.run.remote(self.cfg_json))
             ids.append(wid)
@@ -432,9 +474,7 @@ class Launch:
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        resume = self.resume
-        if resume and not self._ckpt_exists():
-            raise FileNotFoundError(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}")
+        resume = self.resume  # (--resume without a checkpoint: rank 0's set-up says so)
         with contextlib.suppress(redis.RedisError):  # (a resumed run's status has its old step)
             self.step_before = self.control.read_status().step
         self.start_learner(resume)
@@ -500,20 +540,20 @@ def launch(cfg: RunConfig, resume: bool = False) -> int:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     driver = Launch(cfg, resume)
 
-    def on_signal(signum: int, _frame: object) -> None:
+    def on_signal(signum: int) -> None:
         log.info("signal %d", signum)
         driver.stop_signalled = True
         driver.request_stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, off_main(on_signal))  # (reval/signals.py: why a thread)
+    signal.signal(signal.SIGINT, off_main(on_signal))
     try:
         status = driver.run()
     except RingCorrupt as err:  # the learner's one line (it says how to repair the ring)
         print(f"reval launch: {err}", file=sys.stderr, flush=True)
         return 1
     except Exception as err:
-        log.error("launch failed: %s", err)
+        log.error("launch failed: %s", failure_line(err))
         return 1
     finally:
         ray.shutdown()

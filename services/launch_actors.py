@@ -49,6 +49,31 @@ class LearnerRank:
     def pid(self) -> int:
         return os.getpid()
 
+    def prepare(self, cfg_json: str, resume: bool | None, at_step: int = 0) -> tuple[str, bool]:
+        """``services/setup.py: prepare_learner`` on the learner's host (rank 0's actor): the
+        tiny model's pretraining goes to its ``run_dir/initial``, which the ranks load, and the
+        checkpoints are its own (the driver's host may be another, with a disk of its own).
+        ``resume`` None: if this host has a checkpoint (a restart of a run whose newest
+        checkpoint was at ``at_step``: none here is refused, its checkpoints were on a host that
+        is gone; a run that never wrote one starts afresh). The ranks' config, as JSON, and
+        whether they resume. FileNotFoundError for a ``resume`` without a checkpoint here."""
+        from services.setup import prepare_learner
+
+        cfg = RunConfig.model_validate_json(cfg_json)
+        found = cfg.paths.has_checkpoint()
+        if resume and not found:
+            raise FileNotFoundError(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'} "
+                                    f"on the learner's host {socket.gethostname()}")  # fmt: skip
+        if resume is None and not found and at_step > 0:
+            raise FileNotFoundError(
+                f"the learner's host {socket.gethostname()} has no checkpoint of run "
+                f"{cfg.name!r}, which had one at step {at_step}: its checkpoints are on the host "
+                "it ran on. Start that host again (ray start), or copy its "
+                f"{cfg.run_dir / 'checkpoints'} here, then reval launch --resume"
+            )
+        resume = found if resume is None else resume
+        return prepare_learner(cfg, resume).model_dump_json(), resume
+
     def run(self, cfg_json: str, addr: str, port: int, resume: bool) -> dict[str, Any]:
         from learner.ranks import run_rank
 

@@ -35,9 +35,11 @@ from learner.export import export_hf
 from learner.memory import apply_plan
 from learner.step import UpdateMetrics, UpdateStep
 from learner.trainer import Learner
+from reval import lora
 from reval.config import RunConfig, TaskConfig, dump_config
 from reval.metrics import JsonlWriter, TrainMetrics, read_jsonl
 from reval.policy import Policy, compute_dtype
+from reval.trackers import ANSWER_COLUMNS, CURVE, EVAL_TABLE, Table, Trackers, build_trackers
 from rollout.collect import Truncation, collect_round, evaluate
 from rollout.dealer import PromptDealer
 from rollout.engines import HFEngine, SamplingParams
@@ -136,27 +138,31 @@ def train(
     caught ends the run after the round in hand, with a checkpoint (``TrainResult.stopped_by``).
     """
     run = EmbeddedRun.build(cfg, prepared or prepare(cfg, resume), progress, resume)
-    initial = run.resume() if resume else run.start()
-    success = run.last_success(initial)
-    if signals is not None:
-        signals.rounds = True
-    for rnd in range(run.last_round + 1, cfg.learner.rounds + 1):
-        if rnd == 1:
-            log.info("round 1 of %d: %d prompts x %d answers, then %d update(s)",
-                     cfg.learner.rounds, cfg.rollout.prompts_per_round, cfg.rollout.n,
-                     run.updates_per_round)  # fmt: skip
-        record = run.round(rnd)
-        if signals is not None and signals.signum is not None:
-            return run.stop(initial, signals.signum)
-        if "eval_success" in record:
-            success = record["eval_success"]
-        stop_at = cfg.learner.stop_at_success
-        if stop_at is not None and record.get("success_exact", 0.0) >= stop_at:
-            log.info("round %d: exact success %.3f >= %.2f: done", rnd,
-                     record["success_exact"], stop_at)  # fmt: skip
-            success = record["eval_success"] if "eval_success" in record else run.evaluate(rnd)
-            break
-    return run.finish(initial, success)
+    try:
+        initial = run.resume() if resume else run.start()
+        success = run.last_success(initial)
+        if signals is not None:
+            signals.rounds = True
+        for rnd in range(run.last_round + 1, cfg.learner.rounds + 1):
+            if rnd == 1:
+                log.info("round 1 of %d: %d prompts x %d answers, then %d update(s)",
+                         cfg.learner.rounds, cfg.rollout.prompts_per_round, cfg.rollout.n,
+                         run.updates_per_round)  # fmt: skip
+            record = run.round(rnd)
+            if signals is not None and signals.signum is not None:
+                return run.stop(initial, signals.signum)
+            if "eval_success" in record:
+                success = record["eval_success"]
+            stop_at = cfg.learner.stop_at_success
+            if stop_at is not None and record.get("success_exact", 0.0) >= stop_at:
+                log.info("round %d: exact success %.3f >= %.2f: done", rnd,
+                         record["success_exact"], stop_at)  # fmt: skip
+                success = record["eval_success"] if "eval_success" in record else run.evaluate(rnd)
+                break
+        return run.finish(initial, success)
+    except BaseException:  # (the trackers' and the metrics file's last rows kept; runs closed)
+        run.close()
+        raise
 
 
 @dataclass
@@ -189,6 +195,9 @@ class EmbeddedRun:
     """When the last checkpoint was written (``learner.checkpoint_every_s``)."""
     saved_round: int | None = None
     """The round of the last checkpoint written or loaded."""
+    trackers: Trackers = field(default_factory=lambda: Trackers([]))
+    """``metrics.trackers``: every row of ``metrics.jsonl`` at its policy version."""
+    closed: bool = False
 
     @classmethod
     def build(
@@ -209,6 +218,9 @@ class EmbeddedRun:
                 stale.unlink(missing_ok=True)
             shutil.rmtree(cfg.paths.checkpoints, ignore_errors=True)
         dump_config(cfg, cfg.paths.config)
+        if cfg.model.lora.enabled:  # (after the set-up: pretraining trains the whole model)
+            policy.model = lora.wrap(policy.model, cfg.model.lora)  # type: ignore[assignment]
+            log.info(lora.trainable_summary(policy.model))
         engine = HFEngine(policy.model, policy.pad_id, policy.eos_id, policy.device,
                           stop_ids=policy.stop_ids)  # fmt: skip
         learner = Learner(policy.model, cfg.learner, cfg.algo, policy.pad_id, policy.eos_id,
@@ -235,6 +247,7 @@ class EmbeddedRun:
             EpisodeRunner.from_config(cfg.task),  # (task.environment: multi-turn episodes)
             SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p,
                            max_new_tokens=r.max_new_tokens),
+            trackers=build_trackers(cfg, cfg.run_dir, resume),
         )  # fmt: skip
 
     @property
@@ -248,19 +261,22 @@ class EmbeddedRun:
 
     def evaluate(self, round_idx: int) -> float:
         cfg, p = self.cfg, self.prepared
-        success = evaluate(
+        done = evaluate(
             self.engine, p.policy.tokenizer, p.task, p.eval_prompts, cfg.eval.samples_per_prompt,
             cfg.eval.temperature, cfg.rollout.max_new_tokens, seed=cfg.seed * 1000003 + round_idx,
             episodes=self.episodes,
         )  # fmt: skip
         if self.drain is not None:  # (the rows' components are the training answers')
             self.drain()
-        return success
+        answers = tuple(done.answers[: cfg.metrics.tracker_answers])
+        self.trackers.log_table(EVAL_TABLE, self.learner.step, Table(ANSWER_COLUMNS, answers))
+        return done.success
 
     def emit(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         if self.writer:
             self.writer.write(record)
+        self.trackers.log_row(int(record["policy_version"]), record)
         if self.progress:
             self.progress(record)
 
@@ -442,9 +458,13 @@ class EmbeddedRun:
         return upd, done
 
     def close(self) -> None:
-        """The metrics file and the task's grading pool (a math task's)."""
+        """The metrics file, the trackers and the task's grading pool (a math task's); once."""
+        if self.closed:
+            return
+        self.closed = True
         if self.writer:
             self.writer.close()
+        self.trackers.close()
         close_verifier = getattr(self.prepared.task.verifier, "close", None)
         if close_verifier is not None:
             close_verifier()
@@ -452,10 +472,10 @@ class EmbeddedRun:
     def stop(self, initial: float, signum: int) -> TrainResult:
         """Stopped by ``signum`` after a round: a checkpoint (the latest, unless this round's
         was just written), no export, no summary (a run without one is unfinished)."""
-        self.close()
         latest = self.cfg.paths.latest_checkpoint()
         if latest is None or self.saved_round != self.last_round:
             latest = self.save()
+        self.close()  # (after the checkpoint: a tracker's close may wait on its network)
         success = self.last_success(initial)
         return TrainResult(self.cfg.run_dir, self.history, initial, success, latest, signum,
                            self.last_round, self.learner.step)  # fmt: skip
@@ -464,10 +484,7 @@ class EmbeddedRun:
         """The last checkpoint, the Hugging Face export, the curve and the summary."""
         cfg, p, history = self.cfg, self.prepared, self.history
         first = history[0] if history else {}
-        self.close()
         self.save()
-        with _no_library_progress_bar():  # (transformers' bar of its one shard)
-            ckpt = export_hf(p.policy.model, p.policy.tokenizer, cfg.paths.final)
         if cfg.metrics.plot:
             from services.plot import plot_curve
 
@@ -484,6 +501,12 @@ class EmbeddedRun:
             "warnings": self.warnings,
         }
         cfg.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
+        if cfg.metrics.plot:
+            self.trackers.log_image(CURVE, cfg.paths.curve)
+        self.trackers.log_summary(summary)
+        self.close()  # (after the checkpoint: a tracker's close may wait on its network)
+        with _no_library_progress_bar():  # (transformers' bar of its one shard)
+            ckpt = export_hf(p.policy.model, p.policy.tokenizer, cfg.paths.final)
         return TrainResult(cfg.run_dir, history, initial, success, ckpt, None, self.last_round,
                            self.learner.step)  # fmt: skip
 

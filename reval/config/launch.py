@@ -5,6 +5,7 @@ transport (``sync``), ``reval launch``'s Ray resources (``launch``), what is rec
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections.abc import Mapping
@@ -44,6 +45,14 @@ class SyncConfig(_Section):
     ``0.0.0.0``."""
     broadcast_port: int = Field(0, ge=0, le=65535)
     """Port of the hub (0: any free port; it is announced in Redis)."""
+    serve_files: bool = False
+    """Also serve the weight files over HTTP from the learner (rank 0), at the address of
+    ``sync.broadcast_host`` (announced in Redis with the run's secret): workers on hosts that do
+    not share ``sync.weights_dir`` fetch each version's file (a late joiner its first) into a
+    directory of their own (``reval/weights/http_files.py``). A shared directory stays an
+    option: a file a worker's host sees is read where it is."""
+    files_port: int = Field(0, ge=0, le=65535)
+    """Port of the file server (0: any free port; it is announced in Redis)."""
 
 
 class LaunchConfig(_Section):
@@ -64,6 +73,13 @@ class LaunchConfig(_Section):
     cluster, 1."""
     rollout_gpus: float = Field(0.0, ge=0)
     """GPUs reserved for each rollout worker (1 for a vLLM worker on a GPU node)."""
+    learner_resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    """Ray custom resources each learner rank takes (``{learner_host = 1}``: the ranks go only
+    to nodes started with ``ray start --resources='{"learner_host": 8}'``; docs/operations.md,
+    "Many machines")."""
+    rollout_resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    """Ray custom resources each rollout worker takes (``{rollout_host = 1}``: workers only on
+    the nodes that offer it)."""
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy of the learner ranks (PACK keeps them on one node if it can)."""
     replace_dead_workers: bool = True
@@ -117,6 +133,91 @@ class LaunchConfig(_Section):
         return max(0, int(free / rollout + 1e-9))
 
 
+TRACKERS = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "trackio": "trackio",
+}
+"""The experiment trackers that exist (``reval/trackers.py``), each with the module it needs
+(installed by the extra ``reval[name]``)."""
+
+
+def check_trackers(names: list[str]) -> list[str]:
+    """``names`` without repeats, or ValueError (one line) naming a tracker that is unknown
+    or not installed (with its install line)."""
+    out: list[str] = []
+    for name in names:
+        if name not in TRACKERS:
+            raise ValueError(f"unknown tracker {name!r}; known: {', '.join(TRACKERS)}")
+        if name not in out:
+            out.append(name)
+    require_installed(out)
+    return out
+
+
+def require_installed(names: list[str]) -> None:
+    """ValueError with the install line when a named tracker's library is not importable
+    (looked up, not imported: the config stays light)."""
+    for name in names:
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            raise ValueError(
+                f"the {name} tracker needs {TRACKERS[name]}, which is not installed: "
+                f"pip install 'reval[{name}]'"
+            )
+
+
+class WandbConfig(_Section):
+    """The ``wandb`` tracker (Weights & Biases). The key is ``WANDB_API_KEY`` from the
+    environment (or ``wandb login``'s), never the config: nothing secret is written to the run
+    directory. The run's W&B id is kept in ``{run_dir}/trackers.json``: a resumed run continues
+    the same W&B run."""
+
+    project: str | None = None
+    """W&B project (None: ``WANDB_PROJECT``, else the run's ``name``)."""
+    entity: str | None = None
+    """W&B entity, the user or team that owns the project (None: ``WANDB_ENTITY``, else the
+    key's default entity)."""
+    run_name: str | None = None
+    """The W&B run's display name (None: the run's ``name``)."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags of the W&B run."""
+    mode: Literal["online", "offline"] | None = None
+    """``offline``: write the run under ``{run_dir}/wandb`` only (``wandb sync`` uploads it
+    later); ``online``: also stream it to the server. None: ``WANDB_MODE``, else online."""
+
+
+class MlflowConfig(_Section):
+    """The ``mlflow`` tracker. Credentials of a remote server come from the environment
+    (``MLFLOW_TRACKING_TOKEN``, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``), never the config.
+    The run's MLflow id is kept in ``{run_dir}/trackers.json``: a resumed run continues the
+    same MLflow run."""
+
+    tracking_uri: str | None = None
+    """Where runs are recorded (``http://host:5000``, ``file:///path``, ``sqlite:///db``).
+    None: ``MLFLOW_TRACKING_URI``, else a file store in ``{run_dir}/mlruns``."""
+    experiment: str | None = None
+    """The MLflow experiment (made if missing; None: the run's ``name``)."""
+    run_name: str | None = None
+    """The MLflow run's name (None: the run's ``name``)."""
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Tags of the MLflow run."""
+
+
+class TrackioConfig(_Section):
+    """The ``trackio`` tracker. Its runs go to Trackio's local store (``TRACKIO_DIR``, default
+    ``~/.cache/huggingface/trackio``; ``trackio show``) or a Hugging Face Space (the token from
+    the environment, never the config). The run's name is kept in ``{run_dir}/trackers.json``:
+    a resumed run continues the same Trackio run."""
+
+    project: str | None = None
+    """The Trackio project (None: the run's ``name``)."""
+    run_name: str | None = None
+    """The Trackio run's name (None: the run's ``name``)."""
+    space_id: str | None = None
+    """A Hugging Face Space to log to (``user/space``; None: the local store only)."""
+
+
 class MetricsConfig(_Section):
     """What the run records."""
 
@@ -134,6 +235,29 @@ class MetricsConfig(_Section):
     """``reval learner``: a log line every this many updates (step, loss, batch reward, the wait
     for data, updates and trajectories per second since the last line; 0: none; ``--verbose``:
     every update)."""
+    trackers: list[str] = Field(default_factory=list)
+    """Experiment trackers that also get every row of ``metrics.jsonl`` (``reval train``) or
+    ``learner.jsonl`` (the learner's rank 0) at its step, the policy version, the resolved
+    config, ``reval train``'s evaluation answers, curve and summary, and the learner's final
+    state: ``tensorboard``, ``wandb``, ``mlflow``, ``trackio`` (each
+    ``pip install 'reval[NAME]'``; docs/metrics.md, "Trackers")."""
+    tracker_answers: int = Field(default=16, ge=0)
+    """How many of an evaluation's answers (each prompt's first: prompt, answer, score) go to
+    the trackers as a table (``eval/answers``) at the evaluation's step; 0: none."""
+    tensorboard_dir: str | None = None
+    """Where the ``tensorboard`` tracker writes its event files (default:
+    ``{run_dir}/tensorboard``)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """The ``wandb`` tracker's project, entity, run name, tags and mode."""
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    """The ``mlflow`` tracker's tracking URI, experiment, run name and tags."""
+    trackio: TrackioConfig = Field(default_factory=TrackioConfig)
+    """The ``trackio`` tracker's project, run name and Space."""
+
+    @field_validator("trackers")
+    @classmethod
+    def _known_trackers(cls, value: list[str]) -> list[str]:
+        return check_trackers(value)
 
 
 class RedisConfig(_Section):

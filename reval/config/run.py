@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import sys
 import tomllib
 import warnings
 from collections.abc import Iterable, Mapping
@@ -26,7 +27,17 @@ from reval.config.training import AlgoConfig, BufferConfig, LearnerConfig
 from reval.run_dir import RunDir
 
 ENV_PREFIX = "REVAL__"
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _config_dir() -> Path:
+    """``configs/`` of the checkout reval runs from, else the copy an install put in
+    ``{sys.prefix}/share/reval/configs`` (pyproject.toml's data-files)."""
+    checkout = Path(__file__).resolve().parents[2] / "configs"
+    installed = Path(sys.prefix) / "share" / "reval" / "configs"
+    return checkout if checkout.is_dir() or not installed.is_dir() else installed
+
+
+CONFIG_DIR = _config_dir()
 DEFAULT_CONFIG = CONFIG_DIR / "demo.toml"
 
 
@@ -453,11 +464,14 @@ def redact_url(url: str) -> str:
 
 def public_dump(cfg: RunConfig) -> dict[str, Any]:
     """The resolved config (every field, defaults and derived values included) as JSON data,
-    with its secrets redacted (``redis.url``'s password): what is written to disk and
-    shown. Reloading it needs the secret again (``REVAL__REDIS__URL`` or ``--set``)."""
+    with its secrets redacted (``redis.url``'s password, ``metrics.mlflow.tracking_uri``'s):
+    what is written to disk and shown. Reloading it needs the secret again
+    (``REVAL__REDIS__URL`` or ``--set``)."""
     data = cfg.model_dump(mode="json")
     data["buffer"]["samples_per_insert"] = cfg.samples_per_insert
     data["redis"]["url"] = redact_url(cfg.redis.url)
+    if cfg.metrics.mlflow.tracking_uri:  # (a server's user and password may be in it)
+        data["metrics"]["mlflow"]["tracking_uri"] = redact_url(cfg.metrics.mlflow.tracking_uri)
     return data
 
 

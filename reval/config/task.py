@@ -55,6 +55,55 @@ class TinyModelConfig(_Section):
         return self.head_dim or self.hidden_size // self.num_heads
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM serves (``vllm/config/lora.py``, ``max_lora_rank``'s choices)."""
+
+
+class LoraConfig(_Section):
+    """LoRA on the policy (``model.lora``): the base frozen, low-rank adapters trained
+    (peft's ``LoraConfig``; docs/learner.md "LoRA"). ``rank = 0`` trains every weight."""
+
+    rank: int = Field(0, ge=0)
+    """The adapters' rank; 0: no LoRA (full fine-tuning). RL needs small ranks (1-32) on all
+    linear layers. Only ranks vLLM serves are accepted (1, 8, 16, 32, 64, 128, 256, 320, 512)."""
+    alpha: float | None = Field(None, gt=0)
+    """The adapters' scale is ``alpha / rank``; ``None`` gives ``2 * rank`` (a scale of 2)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (0: the update's log-probs are the
+    generators' exactly)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """The linear layers that get adapters: ``all-linear`` (every linear layer but the output
+    head, as peft resolves it) or module names (``q_proj``, ``v_proj``, ...)."""
+    publish: Literal["adapter", "merged"] = "merged"
+    """What a weight version carries to the generators. ``merged``: the full weights with the
+    adapters folded in (``W + (alpha / rank) B A``, summed in fp32), under the base's names:
+    every engine loads them as it loads a full fine-tune's. ``adapter``: the adapters' tensors
+    alone (megabytes); the base travels once per learner (a base file announced beside the
+    versions); HF workers apply each version to it in place, vLLM workers load it into their
+    one adapter slot (``rollout/vllm_lora.py``)."""
+
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if v and v not in VLLM_LORA_RANKS:
+            below = [r for r in VLLM_LORA_RANKS if r < v]
+            above = [r for r in VLLM_LORA_RANKS if r > v]
+            near = ", ".join(str(r) for r in (below[-1:] + above[:1]))
+            allowed = ", ".join(map(str, VLLM_LORA_RANKS))
+            raise ValueError(f"{v} is not a rank vLLM serves; the nearest are {near} "
+                             f"(allowed: {allowed})")  # fmt: skip
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale_alpha(self) -> float:
+        """``alpha``, resolved (``2 * rank`` when unset)."""
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
 class ModelConfig(_Section):
     """The policy model and its tokenizer."""
 
@@ -78,6 +127,8 @@ class ModelConfig(_Section):
     """Learning rate of that pretraining."""
     pretrain_batch_size: int = Field(64, ge=1)
     """Sequences per pretraining step."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (off by default)."""
     gradient_checkpointing: Literal["auto"] | bool = "auto"
     """Recompute activations in the backward pass to save memory (about a fifth of an update's
     time). ``auto``: on only when the learner's state and one micro-batch's activations would

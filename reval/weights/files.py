@@ -7,6 +7,11 @@ The hash (``WeightStore``):
   members get it at once), its time, and the learner's id (``lineage``: a resumed learner starts
   a new one, and its versions may be lower than the last learner's);
 - ``broadcast``: ``backend://host:port/secret`` of the learner's hub, when it broadcasts;
+- ``files_url``: with ``sync.serve_files``, the learner's file server
+  (``reval/weights/http_files.py``), where workers that do not share its disk fetch the files;
+- ``base``: with ``model.lora.publish = "adapter"``, the lineage's base weights
+  (``{dir}/base-{lineage}.safetensors``, written before its first version is announced): every
+  version then holds only the adapters, applied to that base;
 - ``path``, ``file_version``, ``file_time``: the newest version written to a file. The file is
   written in the background (``FileWriter``): it may lag ``version``, never by more than the
   versions published while the previous file was written (the learner skips a version's file
@@ -75,6 +80,13 @@ class Announcement:
     """``backend://host:port/secret`` of the learner's hub when it broadcasts."""
     lineage: str = ""
     """The publishing learner's id (a resumed learner has a new one)."""
+    base: Path | None = None
+    """A LoRA learner publishing its adapters alone (``model.lora.publish = "adapter"``): the
+    file of the base weights its versions apply to, written once per lineage (``write_base``)."""
+    files_url: str | None = None
+    """``http://host:port/secret/`` of the learner's file server (``sync.serve_files``,
+    ``reval/weights/http_files.py``): where a worker that does not see ``path`` or ``base``
+    on its own disk fetches them."""
 
 
 _ANNOUNCE_FILE = """
@@ -107,18 +119,28 @@ class WeightStore:
     def _retry(self, fn: Any) -> Any:
         return retry_redis(fn, self.retry_s, "weights announcement")
 
-    def announce(self, version: int, lineage: str, broadcast: str | None, first: bool) -> None:
+    def announce(
+        self, version: int, lineage: str, broadcast: str | None, first: bool,
+        base: Path | None = None, files_url: str | None = None,
+    ) -> None:  # fmt: skip
         """Announce ``version`` of ``lineage`` (``first``: the lineage's first, which drops the
-        previous lineage's file and hub from the hash)."""
+        previous lineage's file, base and hub from the hash; ``base``: its base file, named in
+        every announce of the lineage; ``files_url``: its file server's, likewise)."""
         mapping: dict[str, Any] = {"version": version, "time": time.time(), "lineage": lineage}
         if broadcast:
             mapping["broadcast"] = broadcast
+        if base is not None:
+            mapping["base"] = str(base)
+        if files_url:
+            mapping["files_url"] = files_url
 
         def run() -> None:
             pipe = self.client.pipeline(transaction=True)
-            gone = ["path", "file_version", "file_time"] if first else []
+            gone = ["path", "file_version", "file_time", "base"] if first else []
             if not broadcast:  # (a learner restarted without a hub: no stale address)
                 gone.append("broadcast")
+            if not files_url:  # (nor of a file server)
+                gone.append("files_url")
             if gone:
                 pipe.hdel(self.key, *gone)
             pipe.hset(self.key, mapping=mapping)
@@ -138,6 +160,16 @@ class WeightStore:
         """Write ``version``'s file from tensors in hand (synchronously; not announced)."""
         path = self.path_of(version)
         self._atomic(path, lambda tmp: save_tensors(named_tensors, tmp, version))
+        return path
+
+    def write_base(self, named_tensors: Iterable[tuple[str, Tensor]], lineage: str) -> Path:
+        """Write a lineage's base weights (LoRA's adapter publish; synchronously, once); the
+        other lineages' base files go."""
+        path = self.dir / f"base-{lineage}.safetensors"
+        self._atomic(path, lambda tmp: save_tensors(named_tensors, tmp, -1))
+        for old in self.dir.glob("base-*.safetensors"):
+            if old != path:
+                old.unlink(missing_ok=True)
         return path
 
     def _atomic(self, path: Path, write: Any) -> None:
@@ -186,6 +218,8 @@ class WeightStore:
             time=float(raw.get(b"time", 0.0)),
             broadcast=raw[b"broadcast"].decode() if b"broadcast" in raw else None,
             lineage=raw.get(b"lineage", b"").decode(),
+            base=Path(raw[b"base"].decode()) if b"base" in raw else None,
+            files_url=raw[b"files_url"].decode() if b"files_url" in raw else None,
         )
 
     @staticmethod
@@ -202,6 +236,18 @@ def run_store(cfg: RunConfig, client: redis.Redis) -> WeightStore:
                        retry_s=cfg.redis.outage_s)  # fmt: skip
 
 
+def file_lineage(path: Path) -> str | None:
+    """The lineage a version's file was written by (its metadata; None: not said, unreadable)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except UNREADABLE:
+        return None
+    return meta.get("lineage") or None
+
+
 def save_tensors(named_tensors: Iterable[tuple[str, Tensor]], path: Path, version: int) -> None:
     """A safetensors file of tensors in hand; tied weights (aliases of one storage, which
     safetensors refuses) get a copy each."""
@@ -215,10 +261,11 @@ def save_tensors(named_tensors: Iterable[tuple[str, Tensor]], path: Path, versio
     save_file(tensors, str(path), metadata={"version": str(version)})
 
 
-def safetensors_header(metas: list[TensorMeta], version: int) -> bytes:
+def safetensors_header(metas: list[TensorMeta], version: int, lineage: str = "") -> bytes:
     """The 8-byte length and JSON header of a safetensors file whose data are ``metas``' bytes
-    back to back, in order (``offset`` is ignored: the file has no gaps)."""
-    obj: dict[str, Any] = {"__metadata__": {"version": str(version)}}
+    back to back, in order (``offset`` is ignored: the file has no gaps); the metadata name the
+    version and the lineage (``file_lineage``)."""
+    obj: dict[str, Any] = {"__metadata__": {"version": str(version), "lineage": lineage}}
     at = 0
     for m in metas:
         obj[m.name] = {"dtype": _ST_DTYPES[m.dtype], "shape": list(m.shape),
@@ -336,7 +383,7 @@ class FileWriter:
         try:
             if self._event is not None:
                 self._event.synchronize()
-            header = safetensors_header(self._metas, version)
+            header = safetensors_header(self._metas, version, self.lineage)
             path = self.store.path_of(version)
 
             def write(tmp: Path) -> None:

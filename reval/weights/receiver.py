@@ -33,6 +33,7 @@ from reval.retry import wait_fault
 from reval.weights.buckets import unpack_bucket
 from reval.weights.collective import BroadcastReceiver, parse_address
 from reval.weights.files import UNREADABLE, WeightStore, run_store
+from reval.weights.http_files import FileFetcher
 
 log = logging.getLogger("reval.weights")
 
@@ -156,9 +157,14 @@ class WeightSubscriber:
         self.joined_broadcast = False
         """True once it has joined a hub: a receiver thread may outlive ``close()`` (stuck in a
         gloo or TCPStore call when the learner is gone)."""
+        self.base: Path | None = None
+        """The base file loaded last (a LoRA learner publishing its adapters alone)."""
         self._hub_lineage: str | None = None
         self._receiver: WeightReceiver | None = None
         """The receiver that joined the hub (None: files only)."""
+        self.fetcher = FileFetcher(timeout_s=max(timeout_s, 60.0))
+        """Announced files this host does not see, fetched from the learner's file server
+        (``files_url``, ``reval/weights/http_files.py``)."""
 
     @property
     def backend(self) -> str | None:
@@ -190,6 +196,12 @@ class WeightSubscriber:
             return None  # Redis away past redis.outage_s: keep the weights in hand
         if ann is None:
             return None
+        if ann.base is not None and ann.base != self.base:
+            if ann.path is None or ann.file_version is None:
+                return None  # (the base and the lineage's first adapters load together)
+            if not self._load_base(ann.base, ann.file_version, ann.lineage, receiver,
+                                   ann.files_url):  # fmt: skip
+                return None
         if ann.broadcast != self.hub:
             self._join(ann.broadcast, ann.lineage, receiver)  # a (new) learner's hub, or none
         if ann.path is None or ann.file_version is None:
@@ -199,7 +211,8 @@ class WeightSubscriber:
         same = not force and ann.lineage == self.lineage
         if same and self.version is not None and ann.file_version <= self.version:
             return None
-        if not receiver.load_file(ann.path, ann.file_version):
+        local = self._local(ann.path, ann.files_url, ann.lineage)
+        if not receiver.load_file(local, ann.file_version):
             # Pruned by the learner, or cut short on a shared volume: the next announcement
             # has a newer file; the weights in hand stay in use meanwhile.
             self.loads.warning("failed", "weights v%d could not be read (pruned?)",
@@ -208,6 +221,32 @@ class WeightSubscriber:
             return None
         self._loaded(ann.file_version, ann.lineage, "file")
         return ann.file_version
+
+    def _local(self, path: Path, url: str | None, lineage: str | None = None) -> Path:
+        """``path`` as this host can read it: itself, or fetched from the learner's file server
+        (a fetch that fails gives back ``path``: its load then fails like a pruned file's)."""
+        try:
+            return self.fetcher.local(path, url, lineage)
+        except OSError as err:
+            self.loads.warning("fetch", "worker %s: %s", self.worker_id, err)
+            return path
+
+    def _load_base(
+        self, path: Path, version: int, lineage: str, receiver: WeightReceiver,
+        url: str | None = None,
+    ) -> bool:  # fmt: skip
+        """Load a lineage's base weights (its versions are adapters to apply to them) just
+        before its file ``version``, which follows at once; the broadcast of an earlier lineage
+        is left first."""
+        self._join(None, lineage, receiver)
+        if not receiver.load_file(self._local(path, url), version):
+            self.loads.warning("failed", "base weights %s could not be read", path)
+            self._failures += 1
+            return False
+        self.base, self.version, self.lineage = path, None, None
+        log.info("worker %s: loaded the base weights of learner %s (adapters follow)",
+                 self.worker_id, lineage)  # fmt: skip
+        return True
 
     def _loaded(self, version: int, lineage: str | None, source: str) -> None:
         self.version, self.lineage, self.source = version, lineage, source
@@ -240,6 +279,7 @@ class WeightSubscriber:
 
     def close(self) -> None:
         self._leave()
+        self.fetcher.close()
 
 
 def build_subscriber(cfg: RunConfig, client: redis.Redis, worker_id: str) -> WeightSubscriber:

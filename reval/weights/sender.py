@@ -21,17 +21,20 @@ import secrets
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
 import torch
 from torch import Tensor, nn
 
+from reval import lora
 from reval.config import RunConfig
 from reval.retry import skip_when_stopping
 from reval.weights.buckets import BufferPool, PlannedBucket, plan_buckets
 from reval.weights.collective import IN_FLIGHT, BroadcastHub
 from reval.weights.files import FileWriter, WeightStore, run_store
+from reval.weights.http_files import FileServer
 
 log = logging.getLogger("reval.weights")
 
@@ -48,16 +51,72 @@ class SendResult:
 
 
 def published_tensors(
-    model: nn.Module, persistent: set[str] | None = None
+    model: nn.Module, persistent: set[str] | None = None, lora_publish: str = "merged"
 ) -> list[tuple[str, Tensor]]:
     """What a version holds: the parameters (tied ones once, by their first name) and the
     persistent buffers (``persistent``: their names, if known), in a fixed order (every rank
-    iterates them alike)."""
+    iterates them alike).
+
+    A LoRA policy (``reval.lora``) publishes, with ``lora_publish = "merged"``, the base's
+    names and tensors, the adapters left out (the sender folds each into its layer's weight:
+    ``merged_layers``); with ``"adapter"``, only the adapters' tensors, by peft's names; with
+    ``"base"``, the base's tensors unmerged (``adapter_base``)."""
+    return [(name, t) for name, _, t in _published(model, persistent, lora_publish)]
+
+
+def _published(
+    model: nn.Module, persistent: set[str] | None, lora_publish: str
+) -> list[tuple[str, str, Tensor]]:
+    """``published_tensors`` with each tensor's own name in ``model``: (published name, the
+    model's name, tensor)."""
     if persistent is None:
         persistent = set(model.state_dict().keys())
     out: list[tuple[str, Tensor]] = list(model.named_parameters())
     out += [(n, b) for n, b in model.named_buffers() if n in persistent]
-    return out
+    if not lora.is_lora(model):
+        return [(n, n, t) for n, t in out]
+    if lora_publish == "adapter":
+        return [(n, n, t) for n, t in out if lora.is_adapter(n)]
+    return [(lora.base_name(n), n, t) for n, t in out if not lora.is_adapter(n)]
+
+
+class PublishedTensors:
+    """``published_tensors`` of one model, its walk of the module tree done once: each call
+    reads the tensors anew from the modules that own them (a parameter replaced since, as
+    FSDP2 does around a forward, is read as it is now). The walk cost 5 ms a publish on a
+    wrapped 500 MB model: a fifth of a LoRA adapters' publish (``benchmarks/sync_bench.py
+    --lora``)."""
+
+    def __init__(self, model: nn.Module, persistent: set[str] | None, lora_publish: str) -> None:
+        self.model = model
+        self.owners: list[tuple[str, nn.Module, str]] = []
+        for published, name, _ in _published(model, persistent, lora_publish):
+            path, _, attr = name.rpartition(".")
+            self.owners.append((published, model.get_submodule(path), attr))
+
+    def __call__(self) -> list[tuple[str, Tensor]]:
+        out = []
+        for published, module, attr in self.owners:
+            t = module._parameters.get(attr)
+            out.append((published, t if t is not None else module._buffers[attr]))
+        return out  # type: ignore[return-value]
+
+
+def adapter_base(model: nn.Module, persistent: set[str] | None = None) -> list[tuple[str, Tensor]]:
+    """What the adapters of a LoRA policy published alone apply to: its frozen base, by the
+    base's names (written once per lineage: ``WeightStore.write_base``)."""
+    if persistent is None:
+        persistent = set(model.state_dict().keys())
+    return published_tensors(model, persistent, "base")
+
+
+def merged_layers(model: nn.Module) -> dict[str, Any]:
+    """A LoRA policy's layers by the published (base) name of their weight: the weights
+    ``published_tensors`` gives unmerged, which the sender merges (``lora.merged_weight``)."""
+    if not lora.is_lora(model):
+        return {}
+    found = ((n, lora.lora_layer(model, n)) for n, _ in model.named_parameters())
+    return {lora.base_name(n): layer for n, layer in found if layer is not None}
 
 
 def _full(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -85,8 +144,11 @@ class WeightSender:
         store: WeightStore | None = None,
         hub: BroadcastHub | None = None,
         host: str = "127.0.0.1",
+        lora_publish: str = "merged",
     ) -> None:
         self.rank, self.dtype, self.device = rank, dtype, torch.device(device)
+        self.lora_publish = lora_publish
+        """``model.lora.publish``: what a LoRA policy's version carries (``published_tensors``)."""
         self.bucket_bytes = bucket_bytes
         self.store, self.hub, self.host = store, hub, host
         self.lineage = secrets.token_hex(8)
@@ -98,8 +160,16 @@ class WeightSender:
         self._plan: list[PlannedBucket] | None = None
         self._names: list[str] = []
         self._persistent: set[str] | None = None
+        self._published: PublishedTensors | None = None
+        self.base: Path | None = None
+        """LoRA's adapters published alone: the base file, announced with every version (a
+        hash recreated after a Redis restart still names it)."""
+        self._merge: dict[str, Any] | None = None
+        """A LoRA policy published merged: its layers by published weight name."""
         self._copying: dict[int, Any] = {}
         """Pool buffers (by address) still being copied into the file's mirror (CUDA events)."""
+        self.server: FileServer | None = None
+        """Rank 0's file server (``sync.serve_files``): the files for hosts without the disk."""
 
     @property
     def address(self) -> str | None:
@@ -129,14 +199,21 @@ class WeightSender:
         counts)."""
         if self._persistent is None:
             self._persistent = set(model.state_dict().keys())
-        tensors = published_tensors(model, self._persistent)
+        if self._merge is None:
+            self._merge = merged_layers(model) if self.lora_publish == "merged" else {}
+        if self._published is None or self._published.model is not model:
+            self._published = PublishedTensors(model, self._persistent, self.lora_publish)
+        tensors = self._published()
         plan = self._layout(tensors, version)
         nbytes = sum(m.nbytes for b in plan for m in b.metas)
         lead = self.rank == 0
         hub = file = False
+        if self.sent == 0:
+            self.base = self._base(model)
         if lead and self.store is not None:
             with skip_when_stopping():  # (a stop during an outage: the ranks go on to its end)
-                self.store.announce(version, self.lineage, self.address, first=self.sent == 0)
+                self.store.announce(version, self.lineage, self.address, first=self.sent == 0,
+                                    base=self.base, files_url=self.files_url)  # fmt: skip
         if lead and self.hub is not None:
             hub = self.hub.start(version, plan)
         if lead and self.files is not None:
@@ -145,7 +222,7 @@ class WeightSender:
         source = iter(tensors)
         try:
             for planned in plan:
-                fulls = [_full(next(source)[1], self.dtype) for _ in planned.metas]
+                fulls = [self._gather(*next(source)) for _ in planned.metas]
                 if not lead or not (hub or file):
                     continue
                 buf = None
@@ -176,6 +253,34 @@ class WeightSender:
         self.sent += 1
         return SendResult(version, nbytes, receivers, file)
 
+    def _base(self, model: nn.Module) -> Path | None:
+        """A LoRA policy publishing its adapters alone: its base, gathered by every rank one
+        tensor at a time (rank 0 keeps each on the host, the others drop it) and written by
+        rank 0 before the lineage's first version is announced (once: the base is frozen).
+        None otherwise."""
+        if self.lora_publish != "adapter" or not lora.is_lora(model):
+            return None
+        kept: list[tuple[str, Tensor]] = []
+        for name, t in adapter_base(model, self._persistent):
+            full = _full(t, self.dtype)
+            if self.rank == 0:
+                kept.append((name, full.cpu()))
+            del full
+        if self.rank != 0 or self.store is None:
+            return None
+        path = self.store.write_base(kept, self.lineage)
+        log.info("adapters published alone: the base weights (%.0f MB) in %s",
+                 sum(t.numel() * t.element_size() for _, t in kept) / 1e6, path)  # fmt: skip
+        return path
+
+    def _gather(self, name: str, t: Tensor) -> Tensor:
+        """The published tensor ``name`` whole in the compute dtype (a collective): a LoRA
+        layer's weight merged with its adapter when publishing merged."""
+        layer = self._merge.get(name) if self._merge else None
+        if layer is None:
+            return _full(t, self.dtype)
+        return lora.merged_weight(layer, t, lambda x: _full(x, torch.float32), self.dtype)
+
     def _whole(self, planned: PlannedBucket, fulls: list[Tensor]) -> Tensor | None:
         """A bucket of one tensor filling it exactly (``plan_buckets`` gives a large tensor a
         bucket of its own): the tensor's own bytes, sent without a copy; None otherwise."""
@@ -197,11 +302,18 @@ class WeightSender:
             torch.cuda.current_stream(buf.device).wait_event(copied)
         return buf
 
+    @property
+    def files_url(self) -> str | None:
+        """The file server's URL, announced with every version (None without one)."""
+        return self.server.url if self.server is not None else None
+
     def close(self) -> None:
         if self.files is not None:
             self.files.wait(timeout=60)
         if self.hub is not None:
             self.hub.close()
+        if self.server is not None:
+            self.server.close()
 
 
 def build_sender(
@@ -214,11 +326,14 @@ def build_sender(
     """A learner rank's sender (``client``: rank 0's Redis; other ranks only gather): files in
     ``sync.weights_dir`` announced in Redis, and with ``sync.broadcast`` a hub on
     ``sync.broadcast_port`` announced at ``sync.broadcast_host``. The hub speaks NCCL from a
-    CUDA device and gloo otherwise, unless ``sync.backend`` says which."""
+    CUDA device and gloo otherwise, unless ``sync.backend`` says which. With
+    ``sync.serve_files``, the files are also served over HTTP (``sync.files_port``) at that
+    address, for workers on hosts that do not share the directory."""
     device = torch.device(device)
     bucket_bytes = int(cfg.sync.bucket_mb * (1 << 20))
     if rank != 0 or client is None:
-        return WeightSender(rank, dtype, device, bucket_bytes)
+        return WeightSender(rank, dtype, device, bucket_bytes,
+                            lora_publish=cfg.model.lora.publish)  # fmt: skip
     backend = "nccl" if device.type == "cuda" else "gloo"
     if cfg.sync.backend != "auto":
         backend = cfg.sync.backend
@@ -236,7 +351,19 @@ def build_sender(
             device=device if backend == "nccl" else "cpu",
         )
         log.info("broadcast hub (%s) listening on %s port %d", backend, bind, hub.port)
-    return WeightSender(rank, dtype, device, bucket_bytes, run_store(cfg, client), hub, announced)
+    sender = WeightSender(rank, dtype, device, bucket_bytes, run_store(cfg, client), hub,
+                          announced, cfg.model.lora.publish)  # fmt: skip
+    if cfg.sync.serve_files:
+        bind = cfg.sync.broadcast_bind or bind_address(announced)
+        assert sender.store is not None
+        sender.store.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            sender.server = FileServer(sender.store.dir, announced, bind, cfg.sync.files_port)
+        except BaseException:  # (a taken sync.files_port: the hub goes too)
+            sender.close()
+            raise
+        log.info("weight files served over HTTP on %s port %d", bind, sender.server.port)
+    return sender
 
 
 def bind_address(announced: str) -> str:

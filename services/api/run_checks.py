@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from fastapi import HTTPException
 
@@ -40,12 +41,30 @@ def _hub_id(name: str) -> bool:
     )
 
 
+def local_store(uri: str) -> str | None:
+    """The local path an MLflow tracking URI writes to (a plain path, ``file:``,
+    ``sqlite:///``), else None (a server: ``http(s)``, ``databricks``, a database)."""
+    parsed = urlparse(uri)
+    if parsed.scheme.startswith("sqlite"):  # (sqlite+pysqlite: too: MLflow's local database)
+        return uri.split("///", 1)[1] if "///" in uri else ""
+    if parsed.scheme == "file":
+        return unquote(parsed.path)
+    if parsed.scheme == "" or (len(parsed.scheme) == 1 and uri[1:2] == ":"):  # (C:\...)
+        return uri
+    return None
+
+
 def confine(run: RunConfig, api: ApiConfig) -> None:
-    """A POSTed config writes only under the API's ``output_dir`` and reads local models and
-    datasets only under its ``models_dir``; a 422 naming the field otherwise."""
+    """A POSTed config writes only under the API's ``output_dir`` (its run, weight files,
+    TensorBoard events and a local MLflow store) and reads local models and datasets only
+    under its ``models_dir``; a 422 naming the field otherwise."""
     problems: list[tuple[list[str], str]] = []
-    for loc, value in ((["output_dir"], run.output_dir), (["sync", "weights_dir"],
-                                                          run.sync.weights_dir)):  # fmt: skip
+    m = run.metrics
+    store = local_store(m.mlflow.tracking_uri) if m.mlflow.tracking_uri else None
+    for loc, value in ((["output_dir"], run.output_dir),
+                       (["sync", "weights_dir"], run.sync.weights_dir),
+                       (["metrics", "tensorboard_dir"], m.tensorboard_dir),
+                       (["metrics", "mlflow", "tracking_uri"], store)):  # fmt: skip
         if value is not None and not _under(value, api.output_dir):
             problems.append((loc, f"must lie under the API's output_dir {api.output_dir!r}"))
     from reval.paths import reward_file

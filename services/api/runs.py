@@ -390,18 +390,30 @@ class RunService:
         """The desired count is written to the run's control; the answer says what the
         deployment will do with it (``deployment``)."""
         entry, current = self._acting(name, "scale", LIVE)
-        self.store.control(name).set_workers(workers)
+        control = self.store.control(name)
+        control.set_workers(workers)
         running = len([w for w in current.workers if w.status != "standby"])
+        launcher = control.launcher() if entry.get("external") else None
         return Accepted(run=name, action="scale",
                         detail={"workers": workers, "running": running,
-                                **self.deployment(entry, workers, running)})  # fmt: skip
+                                **self.deployment(entry, workers, running, launcher)})  # fmt: skip
 
-    def deployment(self, entry: dict[str, Any], workers: int, running: int) -> dict[str, Any]:
+    def deployment(
+        self,
+        entry: dict[str, Any],
+        workers: int,
+        running: int,
+        launcher: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Who runs the run's workers (``executor``: ``external`` for a run started outside the
-        API, under compose or by hand; ``ray`` for ``reval launch`` on the cluster at
-        ``api.ray_address``; ``local-ray`` for ``reval launch`` on a Ray of its own), whether
-        it can start workers (``can_start``), how many that own Ray has room for (``room``,
-        CPU workers) and a ``note`` saying what happens next."""
+        API, under compose or by hand, that no launcher scales; ``ray`` for ``reval launch`` on
+        the cluster at ``api.ray_address``, or at the address a hand-started ``reval launch``
+        joined (its mark, ``launcher``: ``RunControl.launcher``); ``local-ray`` for ``reval
+        launch`` on a Ray of its own), whether it can start workers (``can_start``), how many
+        that own Ray has room for (``room``, CPU workers) and a ``note`` saying what happens
+        next."""
+        if launcher is not None:
+            return self._hand_launched(launcher, workers)
         if entry.get("external"):
             note = (f"this run was started outside the API (compose or by hand): the API starts "
                     f"no worker; workers beyond {workers} go on standby")  # fmt: skip
@@ -424,6 +436,27 @@ class RunService:
                 "waits until it has")  # fmt: skip
         if room is not None and workers > room[1]:
             note += f": {workers - room[1]} of them will wait"
+        return {**out, "note": note}
+
+    @staticmethod
+    def _hand_launched(launcher: dict[str, Any], workers: int) -> dict[str, Any]:
+        """``deployment`` of a run a ``reval launch`` started by hand drives: its driver follows
+        the desired count, on the Ray its mark names."""
+        out: dict[str, Any] = {"executor": "ray", "can_start": True}
+        address, cpus, room = (launcher.get(k) for k in ("ray_address", "cpus", "room"))
+        if address:
+            where = f"the Ray cluster at {address}"
+        else:
+            out["executor"], where = "local-ray", "a Ray of its own on its driver's machine"
+            if isinstance(cpus, int | float) and _int(room) is not None:
+                out["room"] = room
+                where += f" ({cpus:g} CPUs: room for {room} workers)"
+        note = (f"this run was started by hand with `reval launch`, whose driver follows the "
+                f"desired count: it starts or drains workers to {workers} on {where}, as many as "
+                "the Ray cluster's resources allow (each needs launch.rollout_cpus and "
+                "launch.rollout_gpus); one it has no room for waits until it has")  # fmt: skip
+        if "room" in out and workers > out["room"]:
+            note += f": {workers - out['room']} of them will wait"
         return {**out, "note": note}
 
     def worker_counts(self) -> list[tuple[str, int, int]]:

@@ -284,6 +284,23 @@ def test_start_again_resumes_and_recreate_is_refused(api_cfg, monkeypatch, tmp_p
         ({"output_dir": "../../../tmp/x"}, ["output_dir"]),
         ({"output_dir": "/tmp"}, ["output_dir"]),
         ({"sync": {"weights_dir": "/tmp/w"}}, ["sync", "weights_dir"]),
+        ({"metrics": {"tensorboard_dir": "/root/.ssh"}}, ["metrics", "tensorboard_dir"]),
+        (
+            {"metrics": {"mlflow": {"tracking_uri": "file:///etc/cron.d"}}},
+            ["metrics", "mlflow", "tracking_uri"],
+        ),
+        (
+            {"metrics": {"mlflow": {"tracking_uri": "sqlite:////var/lib/x.db"}}},
+            ["metrics", "mlflow", "tracking_uri"],
+        ),
+        (
+            {"metrics": {"mlflow": {"tracking_uri": "sqlite+pysqlite:////etc/x.db"}}},
+            ["metrics", "mlflow", "tracking_uri"],
+        ),
+        (
+            {"metrics": {"mlflow": {"tracking_uri": "../../elsewhere"}}},
+            ["metrics", "mlflow", "tracking_uri"],
+        ),
         ({"model": {"name_or_path": "/etc"}}, ["model", "name_or_path"]),
         ({"model": {"name_or_path": "./somewhere/else"}}, ["model", "name_or_path"]),
         ({"task": {"kind": "math", "dataset": "/data/x.jsonl"}}, ["task", "dataset"]),
@@ -308,10 +325,18 @@ def test_paths_inside_the_apis_directories_are_fine(api_cfg, monkeypatch, tmp_pa
         "output_dir": str(tmp_path / "sub"),
         "sync": {"weights_dir": str(tmp_path / "sub" / "w")},
         "model": {"name_or_path": str(models / "m")},
+        "metrics": {
+            "tensorboard_dir": str(tmp_path / "sub" / "tb"),
+            "mlflow": {"tracking_uri": (tmp_path / "sub" / "mlruns").as_uri()},
+        },
     }
     r = c.post("/v1/runs", json={"config": config, "start": False}, headers=AUTH)
     assert r.status_code == 201, r.text
-    hub = {**small("r2"), "model": {"name_or_path": "Qwen/Qwen2.5-Math-7B"}}
+    hub = {
+        **small("r2"),
+        "model": {"name_or_path": "Qwen/Qwen2.5-Math-7B"},
+        "metrics": {"mlflow": {"tracking_uri": "https://mlflow.example.com"}},
+    }
     r = c.post("/v1/runs", json={"config": hub, "start": False}, headers=AUTH)
     assert r.status_code == 201, r.text
     outside = {**small("r3"), "model": {"name_or_path": str(tmp_path / "models-evil")}}

@@ -7,7 +7,10 @@ inputs)."""
 
 from __future__ import annotations
 
+import json
 import re
+import time
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -120,6 +123,59 @@ def test_scale_says_what_the_deployment_can_run(client, r, api_cfg):
     )
     fits = client.post("/v1/runs/launched/scale", json={"workers": 3}, headers=AUTH).json()
     assert "will wait" not in fits["detail"]["note"]
+
+
+def hand_launch(monkeypatch, r, api_cfg, run: str, launch: dict):
+    """``reval launch`` started by hand (no Ray: a local one of ``launch.local_cpus`` CPUs is
+    only pretended): its driver marks the run at its start, before the learner registers it."""
+    import importlib
+
+    import ray
+
+    from reval.config import RunConfig
+    from services import launch as launch_mod
+
+    # (the module: ray.util.placement_group as an attribute is the function)
+    pg = importlib.import_module("ray.util.placement_group")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(pg, "placement_group", lambda *a, **kw: SimpleNamespace(ready=lambda: 0))
+    monkeypatch.setattr(launch_mod, "wait_logged", lambda *a, **kw: None)
+    redis_cfg = {"url": api_cfg.redis_url, "prefix": api_cfg.key_prefix}
+    return launch_mod.Launch(RunConfig(name=run, redis=redis_cfg, launch=launch))
+
+
+def test_scale_of_a_hand_started_launch_says_its_driver_starts_them(
+    client, r, api_cfg, monkeypatch
+):
+    launch = {"workers": 1, "local_cpus": 4, "learner_cpus": 1, "rollout_cpus": 1}
+    driver = hand_launch(monkeypatch, r, api_cfg, "hand", launch)
+    lease = external_run(r, api_cfg, "hand", workers=1)  # (its learner registers the run)
+    try:
+        worker(r, api_cfg, "hand", "w0")
+        got = client.post("/v1/runs/hand/scale", json={"workers": 4}, headers=AUTH)
+        assert got.status_code == 202
+        detail = got.json()["detail"]
+        # was: "the API starts no worker ... more need more worker processes (compose ...)"
+        assert detail["executor"] == "local-ray" and detail["can_start"] is True
+        assert "the API starts no worker" not in detail["note"]
+        assert "started by hand with `reval launch`" in detail["note"]
+        assert "starts or drains workers to 4" in detail["note"]
+        assert "as many as the Ray cluster's resources allow" in detail["note"]
+        assert detail["room"] == 3 and "1 of them will wait" in detail["note"]
+        # Its heartbeat keeps the mark; once it is gone, nothing scales the run.
+        driver.control.beat_driver({"run": "hand"})
+        again = client.post("/v1/runs/hand/scale", json={"workers": 2}, headers=AUTH).json()
+        assert again["detail"]["executor"] == "local-ray"
+        # The driver gone (marked two minutes ago, its last heartbeat a minute ago):
+        mark = {"ray_address": None, "cpus": 4, "room": 3, "since": time.time() - 120}
+        r.hset(driver.control.control, mapping={"driver_seen": time.time() - 60,
+                                                "launcher": json.dumps(mark)})  # fmt: skip
+        gone = client.post("/v1/runs/hand/scale", json={"workers": 2}, headers=AUTH).json()
+        assert gone["detail"]["executor"] == "external"
+    finally:
+        lease.release()
 
 
 def series(text: str, name: str) -> dict[str, float]:

@@ -177,7 +177,8 @@ def test_reval_eval_on_a_saved_checkpoint(tmp_path):
 @pytest.mark.timeout(300)
 def test_eval_follows_a_run(tmp_path, redis_url, redis_prefix):
     """`reval eval --follow`: evaluates announced versions at least --every steps apart, into
-    run_dir/eval.jsonl and the run's events."""
+    run_dir/eval.jsonl, the run's events and its trackers (a TensorBoard run of its own,
+    ``tensorboard/eval``: each version's scores and a table of its answers)."""
     import redis
 
     from reval.control import RunControl
@@ -193,7 +194,7 @@ def test_eval_follows_a_run(tmp_path, redis_url, redis_prefix):
     sets = ["buffer.backend=redis", f"redis.url={redis_url}",
             f"redis.prefix={redis_prefix}", f"output_dir={tmp_path}", "name=ev",
             "eval.samples_per_prompt=2", "rollout.max_new_tokens=4",
-            "rollout.verifier_workers=1"]  # fmt: skip
+            "rollout.verifier_workers=1", 'metrics.trackers=["tensorboard"]']  # fmt: skip
     cmd = [sys.executable, "-m", "services.cli", "eval", "--follow", "--every", "5",
            "--max-evals", "2", "--benchmarks", "aime24", "--data", str(data)]  # fmt: skip
     for s in sets:
@@ -222,3 +223,18 @@ def test_eval_follows_a_run(tmp_path, redis_url, redis_prefix):
     assert all(0 <= r["scores"]["aime24"] <= 1 and r["k"] == 2 for r in rows)
     events = [e for e in RunControl(client, redis_prefix, "ev").events() if e["kind"] == "eval"]
     assert [e["step"] for e in events] == [0, 5]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "ev" / "tensorboard" / "eval"),
+                           size_guidance={"scalars": 0, "tensors": 0})  # fmt: skip
+    acc.Reload()
+    for key, want in (("eval/avg", [r["avg"] for r in rows]),
+                      ("eval/aime24", [r["scores"]["aime24"] for r in rows])):  # fmt: skip
+        got = acc.Scalars(key)
+        assert [e.step for e in got] == [0, 5], key
+        assert [e.value for e in got] == pytest.approx(want), key
+    tables = acc.Tensors("eval/answers/aime24/text_summary")
+    assert [t.step for t in tables] == [0, 5]
+    for answers in tables:
+        lines = answers.tensor_proto.string_val[0].decode().splitlines()
+        assert lines[0] == "| prompt | answer | score |" and len(lines) > 2

@@ -28,7 +28,7 @@ from reval.config import RunConfig, load_config
 from reval.policy import load_policy
 from reval.weights.buckets import plan_buckets
 from reval.weights.collective import IN_FLIGHT
-from reval.weights.files import WeightStore, safetensors_header
+from reval.weights.files import WeightStore, file_lineage, safetensors_header
 from reval.weights.receiver import WeightSubscriber, build_subscriber
 from reval.weights.sender import build_sender, published_tensors
 from rollout.engines import HFEngine, SamplingParams
@@ -196,8 +196,9 @@ def test_the_file_is_safetensors_in_the_buckets_order(tmp_path, redis_url, redis
             assert got[n].dtype == torch.bfloat16 and torch.equal(got[n], want[n]), n
         assert set(want) <= set(w)
         metas = [m for b in plan_buckets(want.items(), 4096) for m in b.metas]
-        header = safetensors_header(metas, 7)
+        header = safetensors_header(metas, 7, ann.lineage)  # (the lineage: its metadata)
         assert ann.path.read_bytes()[: len(header)] == header
+        assert file_lineage(ann.path) == ann.lineage
     finally:
         learner.close()
 
@@ -567,7 +568,7 @@ def test_the_engines_implement_the_receiver_protocol_without_probing():
     """Every engine declares its receiver; nothing on the weight path asks an engine with
     ``getattr`` what it can do."""
     from reval.weights.receiver import LocalReceiver, WeightReceiver
-    from rollout.vllm_engine import VLLMReceiver
+    from rollout.vllm_worker import VLLMReceiver
 
     for cls in (LocalReceiver, VLLMReceiver):
         for name in ("load_file", "join", "take", "received", "leave"):

@@ -123,3 +123,128 @@ def test_every_k8s_redis_client_has_the_password():
     env = {e["name"]: e.get("value") for e in head["env"]}
     assert env["REVAL__REDIS__URL"] == "redis://:$(REDIS_PASSWORD)@reval-redis:6379/0"
     assert "redis_url" not in job["spec"]["entrypoint"]  # (a --set would win over the env)
+
+
+# -- schemas (issue 43): Kubernetes' own (kubernetes-validate, from PyPI) and KubeRay's v1 API ----
+
+K8S_VERSION = "1.37.0"
+"""The Kubernetes release whose OpenAPI schemas the manifests are checked against (the newest
+kubernetes-validate bundles)."""
+
+
+def _object(props: dict, required: tuple[str, ...] = ()) -> dict:
+    return {"type": "object", "properties": props, "required": list(required),
+            "additionalProperties": False}  # fmt: skip
+
+
+_START_PARAMS = {"type": "object", "additionalProperties": {"type": "string"}}
+_TEMPLATE = {"type": "object"}  # (a PodTemplateSpec: Kubernetes' schema checks it, below)
+_OBJ, _INT, _STR, _BOOL = {"type": "object"}, {"type": "integer"}, {"type": "string"}, {
+    "type": "boolean"}  # fmt: skip
+_HEAD = _object({"template": _TEMPLATE, "rayStartParams": _START_PARAMS, "serviceType": _STR,
+                 "enableIngress": _BOOL, "headService": _OBJ, "ingressOptions": _OBJ,
+                 "labels": _OBJ, "resources": _OBJ}, ("template",))  # fmt: skip
+_WORKER = _object({"groupName": _STR, "replicas": _INT, "minReplicas": _INT, "maxReplicas": _INT,
+                   "idleTimeoutSeconds": _INT, "rayStartParams": _START_PARAMS,
+                   "template": _TEMPLATE, "scaleStrategy": _OBJ, "numOfHosts": _INT,
+                   "suspend": _BOOL, "labels": _OBJ, "priority": _INT, "resources": _OBJ},
+                  ("groupName", "template"))  # fmt: skip
+_CLUSTER = _object({"headGroupSpec": _HEAD, "workerGroupSpecs": {"type": "array", "items": _WORKER},
+                    "rayVersion": _STR, "enableInTreeAutoscaling": _BOOL,
+                    "autoscalerOptions": _OBJ, "headServiceAnnotations": _OBJ, "suspend": _BOOL,
+                    "managedBy": _STR, "gcsFaultToleranceOptions": _OBJ, "authOptions": _OBJ,
+                    "tlsOptions": _OBJ, "upgradeStrategy": _OBJ, "networkPolicy": _OBJ,
+                    "historyServerOptions": _OBJ}, ("headGroupSpec",))  # fmt: skip
+KUBERAY_V1 = {
+    "RayJob": _object(
+        {
+            "entrypoint": _STR,
+            "runtimeEnvYAML": _STR,
+            "jobId": _STR,
+            "shutdownAfterJobFinishes": _BOOL,
+            "ttlSecondsAfterFinished": _INT,
+            "activeDeadlineSeconds": _INT,
+            "backoffLimit": _INT,
+            "rayClusterSpec": _CLUSTER,
+            "clusterSelector": _OBJ,
+            "metadata": _OBJ,
+            "submitterPodTemplate": _OBJ,
+            "submitterConfig": _OBJ,
+            "entrypointNumCpus": {"type": "number"},
+            "entrypointNumGpus": {"type": "number"},
+            "entrypointResources": _STR,
+            "suspend": _BOOL,
+            "submissionMode": _STR,
+            "managedBy": _STR,
+            "deletionStrategy": _OBJ,
+            "preRunningDeadlineSeconds": _INT,
+        }
+    ),
+    "RayService": _object(
+        {
+            "serveConfigV2": _STR,
+            "rayClusterConfig": _CLUSTER,
+            "serviceUnhealthySecondThreshold": _INT,
+            "deploymentUnhealthySecondThreshold": _INT,
+            "serveService": _OBJ,
+            "upgradeStrategy": _OBJ,
+            "excludeHeadPodFromServeSvc": _BOOL,
+            "managedBy": _STR,
+            "suspend": _BOOL,
+            "rayClusterDeletionDelaySeconds": _INT,
+        },
+        ("rayClusterConfig",),
+    ),
+}
+"""The spec of KubeRay's ``ray.io/v1`` RayJob and RayService as far as these manifests go: every
+field of ``RayJobSpec``, ``RayServiceSpec``, ``RayClusterSpec``, ``HeadGroupSpec`` and
+``WorkerGroupSpec`` with its type, unknown ones refused (as the API server's strict field
+validation does), read off KubeRay's CRDs (ray-operator/config/crd/bases, 2026-11). The pod
+templates inside are checked with Kubernetes' own schema."""
+
+
+def _pod_templates(d: dict) -> list[tuple[str, dict]]:
+    spec = d["spec"].get("rayClusterSpec") or d["spec"].get("rayClusterConfig") or {}
+    out = [("headGroupSpec", spec["headGroupSpec"]["template"])]
+    out += [(f"workerGroupSpecs[{g['groupName']}]", g["template"])
+            for g in spec.get("workerGroupSpecs", [])]  # fmt: skip
+    return out
+
+
+def test_k8s_manifests_pass_kubernetes_and_kuberay_schemas():
+    import jsonschema
+    import kubernetes_validate
+
+    checked = []
+    for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
+        for d in docs(path):
+            if d["apiVersion"] == "ray.io/v1":
+                jsonschema.validate(d["spec"], KUBERAY_V1[d["kind"]])
+                for where, template in _pod_templates(d):
+                    pod = {"apiVersion": "v1", "kind": "PodTemplate",
+                           "metadata": {"name": f"{d['metadata']['name']}-{where}"},
+                           "template": template}  # fmt: skip
+                    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+            else:
+                kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+            checked.append(d["kind"])
+    assert {"RayJob", "RayService", "StatefulSet", "Service"} <= set(checked)
+
+
+def test_the_schemas_refuse_what_the_api_server_would():
+    """The checks can fail: a misspelt KubeRay field, a wrong type, a misspelt container field."""
+    import jsonschema
+    import kubernetes_validate
+    import pytest
+
+    (job,) = [d for d in docs(ROOT / "deploy" / "k8s" / "rayjob.yaml") if d["kind"] == "RayJob"]
+    for bad in ({"shutdownAfterJobFinish": True}, {"ttlSecondsAfterFinished": "600"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**job["spec"], **bad}, KUBERAY_V1["RayJob"])
+    (_, template), *_ = _pod_templates(job)
+    container = {**template["spec"]["containers"][0], "imagePullPolicyy": "Always"}
+    spec = {**template["spec"], "containers": [container]}
+    pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"},
+           "template": {**template, "spec": spec}}  # fmt: skip
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)

@@ -5,10 +5,19 @@ named by path exists, and each ``docker compose`` / ``docker-compose`` line name
 that exists (or that a ``reval compose --out FILE`` of the same block writes) and says which
 Compose it needs (Compose v2 is ``docker compose``, v1, Debian's ``docker-compose`` that the
 project's scripts install, is ``docker-compose``): ``docker compose -f docker-compose.cpu.yml
-up -d`` failed on a machine with only v1, and nothing said so."""
+up -d`` failed on a machine with only v1, and nothing said so.
+
+The commands in the prose too: each inline `` `reval ...` ``, `` `make ...` ``, `` `docker
+compose ...` `` or `` `docker-compose ...` `` of README.md and docs/*.md (a span may wrap onto
+the next line). Such a span often names a command rather than spelling all of it (`` `reval
+runs` ``, `` `reval learner --config X [--nproc N]` ``), so a ``reval`` one is checked for its
+subcommands and flags (each a name reval's parser has; ``a/b`` alternatives each), not parsed
+whole; one that quotes an output line (`` `reval train: stopped by ...` ``) is not a command. A
+compose span says which Compose in its paragraph (a heading's: its section): ``v2`` or ``v1``."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 from dataclasses import dataclass
@@ -82,6 +91,87 @@ def commands(doc: str) -> list[Command]:
         for cmds, comment in parsed:
             out.extend(Command(doc, n, words, comment, comments) for words in cmds)
     return out
+
+
+INLINE_START = re.compile(r"^(reval |make |docker compose\b|docker-compose )")
+OUTPUT_LINE = re.compile(r"^reval [\w-]+:")
+"""``reval train: stopped by ...``: a line reval prints, quoted."""
+
+
+@dataclass
+class Inline:
+    doc: str
+    line: int
+    code: str
+    context: str
+    """Its paragraph (a heading's: the heading's section)."""
+
+    def __str__(self) -> str:
+        return f"{self.doc}:{self.line}: `{self.code}`"
+
+
+def inline_docs() -> list[str]:
+    return ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+
+
+def _context(text: str, prose: str, at: int) -> str:
+    """The paragraph of ``text`` around offset ``at``; for a heading, its whole section, to the
+    next heading of ``prose`` (``text`` with its fenced blocks blanked: no ``#`` comments)."""
+    start = max(text.rfind("\n\n", 0, at), 0)
+    end = text.find("\n\n", at)
+    para = text[start : len(text) if end < 0 else end]
+    if not para.strip().startswith("#"):
+        return para
+    body = text.find("\n", at) + 1
+    following = re.search(r"^#{1,6} ", prose[body:], flags=re.M)
+    return text[start:] if following is None else text[start : body + following.start()]
+
+
+def inline_commands(doc: str) -> list[Inline]:
+    """The inline code spans of ``doc`` that are commands (``INLINE_START``), fenced blocks
+    left out (``commands`` reads those)."""
+    text = (ROOT / doc).read_text()
+    prose = re.sub(r"```.*?```", lambda m: re.sub(r"[^\n]", " ", m.group(0)), text, flags=re.S)
+    out = []
+    for m in re.finditer(r"`([^`]+)`", prose):
+        code = " ".join(m.group(1).split())
+        if "\n\n" in m.group(1) or not INLINE_START.match(code) or OUTPUT_LINE.match(code):
+            continue
+        line = text.count("\n", 0, m.start()) + 1
+        out.append(Inline(doc, line, code, _context(text, prose, m.start())))
+    return out
+
+
+def all_inline() -> list[Inline]:
+    return [c for doc in inline_docs() for c in inline_commands(doc)]
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def reval_mention_problem(words: list[str]) -> str | None:
+    """What is wrong with ``reval WORDS...`` named in prose (None: nothing): a subcommand reval
+    does not have, or a flag its (sub)command does not take. Placeholders (``N``, ``R``), ``...``
+    and ``[optional]`` brackets are fine."""
+    parser = build_parser()
+    rest = [w.strip("[]") for w in words[1:]]
+    while rest and rest[0] != "..." and not rest[0].startswith("-") and _subcommands(parser):
+        names = [n for n in rest.pop(0).split("/") if n]
+        choices = _subcommands(parser)
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            return f"no subcommand {unknown} (has {sorted(choices)})"
+        parser = choices[names[0]]
+    for word in rest:
+        if word.startswith("--") or re.match(r"^-[A-Za-z]$", word):
+            for flag in (f.partition("=")[0] for f in word.split("/") if f):
+                if flag not in parser._option_string_actions:
+                    return f"{parser.prog} has no flag {flag}"
+    return None
 
 
 def all_commands() -> list[Command]:
@@ -178,3 +268,69 @@ def test_each_compose_file_the_docs_name_passes_compose_v1_s_check():
             assert done.returncode == 0, (name, done.stderr)
             checked += 1
     assert checked >= 1
+
+
+def test_the_prose_has_inline_commands_of_each_kind():
+    found = all_inline()
+    heads = {" ".join(c.code.split()[:2]) if c.code.startswith("docker ") else c.code.split()[0]
+             for c in found}  # fmt: skip
+    assert {"reval", "make", "docker compose", "docker-compose"} <= heads, heads
+    assert any(c.doc == "README.md" for c in found) and len(found) > 100
+
+
+def test_the_inline_check_finds_what_is_wrong():
+    assert reval_mention_problem(["reval", "runs", "get/set/", "R"]) is None
+    assert reval_mention_problem(["reval", "serve", "--ray", "[--replicas", "N]"]) is None
+    assert reval_mention_problem(["reval", "launch", "--add/--remove"]) is None
+    assert "no subcommand" in str(reval_mention_problem(["reval", "trian"]))
+    assert "no subcommand" in str(reval_mention_problem(["reval", "runs", "get/sett"]))
+    assert "no flag --metrics-prot" in str(
+        reval_mention_problem(["reval", "rollout", "--metrics-prot", "9400"])
+    )
+    assert "no flag --follow" in str(reval_mention_problem(["reval", "train", "--follow"]))
+    found = [c.code for c in all_inline()]
+    assert not any(OUTPUT_LINE.match(c) for c in found)  # (quoted output lines are left out)
+
+
+@pytest.mark.parametrize("doc", inline_docs())
+def test_every_inline_reval_command_names_real_subcommands_and_flags(doc):
+    wrong = []
+    for c in inline_commands(doc):
+        for words, _ in [(w, None) for w in split_line(c.code)[0]]:
+            if words[0] == "reval":
+                problem = reval_mention_problem(words)
+                if problem is not None:
+                    wrong.append(f"{c}: {problem}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_inline_make_target_exists():
+    targets = makefile_targets()
+    wrong = []
+    for c in all_inline():
+        for words in split_line(c.code)[0]:
+            if words[0] == "make":
+                bad = [w for w in words[1:] if "=" not in w and not w.startswith("-")
+                       and w not in targets]  # fmt: skip
+                wrong += [f"{c}: no target {t!r} in the Makefile" for t in bad]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_inline_compose_command_names_a_file_and_says_which_compose():
+    wrong = []
+    for doc in inline_docs():
+        written = {w for x in commands(doc) if x.words[:2] == ["reval", "compose"]
+                   for w in x.words}  # fmt: skip
+        for c in inline_commands(doc):
+            for words in split_line(c.code)[0]:
+                v2 = words[:2] == ["docker", "compose"]
+                if not (v2 or words[0] == "docker-compose"):
+                    continue
+                name = compose_file(words)
+                placeholder = re.match(r"^[A-Z][A-Z0-9_]*$", name)  # (-f FILE)
+                if not (ROOT / name).exists() and name not in written and not placeholder:
+                    wrong.append(f"{c}: {name} does not exist")
+                if not re.search(r"\bv2\b" if v2 else r"\bv1\b", c.context):
+                    needs = COMPOSE["docker compose" if v2 else "docker-compose"]
+                    wrong.append(f"{c}: say which Compose it needs ({needs}) in its paragraph")
+    assert not wrong, "\n".join(wrong)

@@ -47,7 +47,7 @@ def test_a_good_gpu_node_passes_every_check():
     got = statuses(gpu_cfg("buffer.backend=redis"), node())
     assert {n: c.status for n, c in got.items()} == {
         "cuda": "ok", "nccl": "ok", "gpus": "ok", "shm": "ok", "ports": "skip", "redis": "ok",
-        "vllm": "ok", "tokens": "ok", "disk": "ok", "threads": "skip",
+        "vllm": "ok", "tokens": "ok", "disk": "ok", "threads": "skip", "lora": "skip",
     }  # fmt: skip
 
 

@@ -138,7 +138,10 @@ def test_evaluate_scores_episodes_by_their_reward():
                             [PROMPT], 2, 1.0, 24, seed=0, episodes=RUNNER)  # fmt: skip
     bad = evaluate_success(_engine(["\\boxed{7}"]), TOK, _Task(), [PROMPT], 2, 1.0, 24,
                            seed=0, episodes=RUNNER)  # fmt: skip
-    assert (good, bad) == (1.0, 0.0)
+    assert (good.success, bad.success) == (1.0, 0.0)
+    # (each prompt's first episode, as the trackers' table shows it: prompt, text, reward)
+    assert good.answers[0][0] == PROMPT.text and good.answers[0][2] == 1.0
+    assert "boxed{7}" in bad.answers[0][1] and bad.answers[0][2] == 0.0
 
 
 # -- environments that misbehave: counted, skipped, logged --------------------------------------

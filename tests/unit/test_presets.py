@@ -18,7 +18,20 @@ NODE_GPUS = 8  # the paper's scale: one 8-GPU node (docs/reproduce-paper.md)
 
 
 def test_the_paper_presets_are_the_gpu_presets():
-    assert {p.name for p in PRESETS} == {"r1_distill_qwen_1p5b.toml", "qwen25_math_7b.toml"}
+    assert {p.name for p in PRESETS} == {
+        "r1_distill_qwen_1p5b.toml", "qwen25_math_7b.toml", "qwen25_math_7b_lora.toml"
+    }  # fmt: skip
+
+
+def test_the_lora_preset_is_the_7b_run_with_adapters():
+    full = load_config(str(ROOT / "configs/qwen25_math_7b.toml"), [], environ={})
+    lora = load_config(str(ROOT / "configs/qwen25_math_7b_lora.toml"), [], environ={})
+    assert lora.model.lora.rank == 32 and lora.model.lora.target_modules == "all-linear"
+    assert lora.learner.lr == pytest.approx(10 * full.learner.lr)  # the field's 10x
+    assert not full.model.lora.enabled
+    # Otherwise the same run: the same task, sampling, buffer, algorithm and node split.
+    for section in ("task", "rollout", "buffer", "algo", "launch"):
+        assert getattr(lora, section) == getattr(full, section), section
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)

@@ -66,3 +66,15 @@ def test_both_names_at_odds_in_one_source_is_one_clear_error():
     with pytest.warns(FutureWarning):  # the same value twice is no conflict
         cfg = load_config(None, ["buffer.key_prefix=p:", "redis.prefix=p:"], environ={})
     assert cfg.redis.prefix == "p:"
+
+
+def test_the_mlflow_server_s_password_is_redacted_like_redis_s(tmp_path):
+    """``metrics.mlflow.tracking_uri`` may hold a server's user and password: redacted wherever
+    the config is written or shown (the trackers get ``public_dump`` too)."""
+    cfg = load_config(overrides=["metrics.mlflow.tracking_uri=https://me:s3cret@mlflow.lab:5000"],
+                      environ={})  # fmt: skip
+    shown = public_dump(cfg)["metrics"]["mlflow"]["tracking_uri"]
+    assert shown == "https://me:***@mlflow.lab:5000"
+    dump_config(cfg, tmp_path / "config.json")
+    assert "s3cret" not in (tmp_path / "config.json").read_text()
+    assert cfg.metrics.mlflow.tracking_uri.endswith("s3cret@mlflow.lab:5000")  # (still usable)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rollout.vllm_engine import VLLMReceiver
+from rollout.vllm_worker import VLLMReceiver
 
 
 class Worker:

@@ -82,3 +82,27 @@ def test_packing_into_pooled_buffers():
     assert big.numel() >= 10_000 and pool.allocated == len(plan) + 1
     with pytest.raises(ValueError, match="uint8 buffer"):
         plan[0].pack(out=torch.empty(1, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("publish", ["merged", "adapter"])
+def test_published_tensors_walked_once_read_anew(publish):
+    """The sender's ``PublishedTensors`` gives what ``published_tensors`` gives (names and the
+    very tensors, tied weights once, persistent buffers, a LoRA policy's either way), and a
+    parameter replaced after the walk is read as it is now."""
+    from reval import lora
+    from reval.config import LoraConfig, TinyModelConfig
+    from reval.policy import build_tiny_model
+    from reval.weights.sender import PublishedTensors, published_tensors
+
+    model = build_tiny_model(TinyModelConfig(), 40, 0, 1, seed=0)
+    model = lora.wrap(model, LoraConfig(rank=8))
+    cached = PublishedTensors(model, None, publish)
+    want = published_tensors(model, lora_publish=publish)
+    got = cached()
+    assert [n for n, _ in got] == [n for n, _ in want] and len(got) > 4
+    assert all(a is b for (_, a), (_, b) in zip(got, want, strict=True))
+    _, module, attr = cached.owners[-1]
+    old = got[-1][1]
+    assert module._parameters[attr] is old
+    module._parameters[attr] = torch.nn.Parameter(torch.zeros_like(old))
+    assert cached()[-1][1] is module._parameters[attr] and cached()[-1][1] is not old
