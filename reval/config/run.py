@@ -6,12 +6,14 @@ to a run directory."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
 import os
 import re
 import sys
+import sysconfig
 import tomllib
 import warnings
 from collections.abc import Iterable, Mapping
@@ -29,12 +31,27 @@ from reval.run_dir import RunDir
 ENV_PREFIX = "REVAL__"
 
 
-def _config_dir() -> Path:
-    """``configs/`` of the checkout reval runs from, else the copy an install put in
-    ``{sys.prefix}/share/reval/configs`` (pyproject.toml's data-files)."""
-    checkout = Path(__file__).resolve().parents[2] / "configs"
-    installed = Path(sys.prefix) / "share" / "reval" / "configs"
-    return checkout if checkout.is_dir() or not installed.is_dir() else installed
+def _data_roots() -> list[Path]:
+    """Where an install may have put its data files: the environment's prefix, the scheme's
+    ``data`` path, and ``pip install --user``'s base."""
+    roots = [Path(sys.prefix), Path(sysconfig.get_path("data"))]
+    with contextlib.suppress(KeyError):  # (no user scheme on this platform)
+        roots.append(Path(sysconfig.get_path("data", sysconfig.get_preferred_scheme("user"))))
+    return list(dict.fromkeys(roots))
+
+
+def _config_dir(module: Path | None = None, roots: Iterable[Path] | None = None) -> Path:
+    """``configs/`` of the checkout reval runs from (``configs/`` beside a ``pyproject.toml``,
+    not a stray ``site-packages/configs`` another package left), else the copy an install put
+    in ``share/reval/configs`` (pyproject.toml's data-files) under one of ``_data_roots``."""
+    root = (module or Path(__file__)).resolve().parents[2]
+    if (root / "configs").is_dir() and (root / "pyproject.toml").is_file():
+        return root / "configs"
+    for data in _data_roots() if roots is None else roots:
+        installed = data / "share" / "reval" / "configs"
+        if installed.is_dir():
+            return installed
+    return root / "configs"  # (none: load_config's error then names this path)
 
 
 CONFIG_DIR = _config_dir()

@@ -212,3 +212,25 @@ def test_a_missing_local_model_path_is_named_not_a_hub_error(path):
     with pytest.raises(ModelNotFound, match=r"model\.name_or_path: the local .* does not exist"):
         model_source(path)
     assert model_source("Qwen/Qwen2.5-Math-7B") == "Qwen/Qwen2.5-Math-7B"  # a hub id
+
+
+def test_the_configs_are_a_checkouts_else_an_installs(tmp_path: Path):
+    """A checkout's ``configs/`` sits beside its ``pyproject.toml``; an install's configs are
+    data files under a data root (the prefix, or ``pip install --user``'s base). A stray
+    ``site-packages/configs`` (another package's) is not taken for a checkout."""
+    from reval.config.run import _config_dir
+
+    checkout = tmp_path / "checkout"
+    (checkout / "configs").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("")
+    module = checkout / "reval" / "config" / "run.py"
+    assert _config_dir(module, roots=[]) == checkout / "configs"
+
+    site = tmp_path / "lib" / "site-packages"
+    (site / "configs").mkdir(parents=True)  # (a stray one, no pyproject.toml beside it)
+    prefix, user = tmp_path / "prefix", tmp_path / "user"
+    (user / "share" / "reval" / "configs").mkdir(parents=True)
+    installed = site / "reval" / "config" / "run.py"
+    assert _config_dir(installed, roots=[prefix, user]) == user / "share" / "reval" / "configs"
+    (prefix / "share" / "reval" / "configs").mkdir(parents=True)
+    assert _config_dir(installed, roots=[prefix, user]) == prefix / "share" / "reval" / "configs"
