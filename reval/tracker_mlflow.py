@@ -7,7 +7,9 @@ evaluation's answers as the artifact ``{name}/step-N.json``, the curve as an art
 It talks through ``MlflowClient`` alone (no fluent ``mlflow.start_run``: no process-wide active
 run). The default store is a file store in ``{run_dir}/mlruns`` (MLflow 3 keeps file stores
 behind ``MLFLOW_ALLOW_FILE_STORE``, which this sets for that default; ``mlflow-skinny`` has no
-database store); ``mlflow ui --backend-store-uri runs/NAME/mlruns`` shows it. A server's
+database store); ``mlflow ui --backend-store-uri runs/NAME/mlruns`` shows it. A local database
+store (full ``mlflow``: ``sqlite:///runs/mlflow.db``) keeps a new experiment's artifacts beside
+the database (``artifact_location``), not in the process's working directory. A server's
 credentials come from the environment (``MLFLOW_TRACKING_TOKEN``...), never the config. The
 run's id is kept in ``{run_dir}/trackers.json`` (``RunIds``): a resumed run continues it.
 
@@ -31,6 +33,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
 
 from reval.tracker_common import flat
 
@@ -46,6 +49,32 @@ QUEUE_ROWS = 1000
 """Rows waiting for the sending thread at most (a server away for long: later rows dropped)."""
 CLOSE_S = 30.0
 """How long ``close`` waits for the queued rows to be sent."""
+
+
+def local_store(uri: str) -> str | None:
+    """The local path an MLflow tracking URI writes to (a plain path, ``file:``,
+    ``sqlite:///``), else None (a server: ``http(s)``, ``databricks``, a database)."""
+    parsed = urlparse(uri)
+    if parsed.scheme.startswith("sqlite"):  # (sqlite+pysqlite: too: MLflow's local database)
+        return uri.split("///", 1)[1].split("?", 1)[0] if "///" in uri else ""
+    if parsed.scheme == "file":
+        return unquote(parsed.path)
+    if parsed.scheme == "" or (len(parsed.scheme) == 1 and uri[1:2] == ":"):  # (C:\...)
+        return uri
+    return None
+
+
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """Where a new experiment of a local database store (``sqlite:///runs/mlflow.db``) keeps
+    its artifacts: ``mlartifacts/{experiment}`` beside the database (MLflow's own default is
+    ``./mlruns`` under the process's working directory, outside the run's ``output_dir``).
+    None for a file store (artifacts inside it) and a server (its own artifact root)."""
+    store = local_store(uri)
+    if not store or not urlparse(uri).scheme.startswith("sqlite"):
+        return None
+    return (
+        Path(store).resolve().parent / "mlartifacts" / _key(experiment).replace("/", "_")
+    ).as_uri()
 
 
 def _key(name: str) -> str:
@@ -69,6 +98,7 @@ class MlflowTracker:
         if uri is None:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = (Path(run_dir) / "mlruns").resolve().as_uri()
+        self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         self.run_id: str | None = None
         self._open_args = (cfg, ids)
@@ -95,7 +125,13 @@ class MlflowTracker:
         if run_id is None:
             name = m.experiment or cfg.name
             exp = self.client.get_experiment_by_name(name)
-            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+            exp_id = (
+                exp.experiment_id
+                if exp is not None
+                else self.client.create_experiment(
+                    name, artifact_location=artifact_location(self.uri, name)
+                )
+            )
             run = self.client.create_run(exp_id, run_name=m.run_name or cfg.name, tags=m.tags)
             run_id = run.info.run_id
             ids.keep(self.name, run_id)

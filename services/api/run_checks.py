@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from fastapi import HTTPException
 
 from reval.config import ApiConfig, RunConfig
+from reval.tracker_mlflow import local_store
 
 
 def invalid(loc: list[str], msg: str) -> HTTPException:
@@ -39,19 +39,6 @@ def _hub_id(name: str) -> bool:
         and name.count("/") <= 1
         and not os.path.lexists(name)
     )
-
-
-def local_store(uri: str) -> str | None:
-    """The local path an MLflow tracking URI writes to (a plain path, ``file:``,
-    ``sqlite:///``), else None (a server: ``http(s)``, ``databricks``, a database)."""
-    parsed = urlparse(uri)
-    if parsed.scheme.startswith("sqlite"):  # (sqlite+pysqlite: too: MLflow's local database)
-        return uri.split("///", 1)[1] if "///" in uri else ""
-    if parsed.scheme == "file":
-        return unquote(parsed.path)
-    if parsed.scheme == "" or (len(parsed.scheme) == 1 and uri[1:2] == ":"):  # (C:\...)
-        return uri
-    return None
 
 
 def confine(run: RunConfig, api: ApiConfig) -> None:

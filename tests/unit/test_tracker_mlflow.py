@@ -188,3 +188,53 @@ def test_tables_the_curve_and_the_summary_reach_the_mlflow_run(tmp_path, no_serv
     assert (out / "curve" / "curve.png").read_bytes() == png.read_bytes()
     assert json.loads((out / "summary.json").read_text()) == {
         "final_success": 0.75, "rounds": 3, "warnings": []}  # fmt: skip
+
+
+def test_a_local_database_store_keeps_its_artifacts_beside_the_database(
+    tmp_path, monkeypatch, no_server
+):
+    """A ``sqlite:///`` store (full MLflow) would put a new experiment's artifacts in the
+    process's ``./mlruns``: outside the run's output_dir, where a REST run may not write. The
+    experiment is made with its artifacts beside the database; a file store and a server keep
+    MLflow's own locations."""
+    from types import SimpleNamespace
+
+    from reval.tracker_mlflow import artifact_location
+
+    made: list[tuple[str, str | None]] = []
+
+    class Client:  # (the sqlite store needs full MLflow: what _open asks of it is recorded)
+        def __init__(self, tracking_uri):
+            self.uri = tracking_uri
+
+        def get_experiment_by_name(self, name):
+            return None
+
+        def create_experiment(self, name, artifact_location=None):
+            made.append((name, artifact_location))
+            return "1"
+
+        def create_run(self, exp_id, run_name, tags):
+            return SimpleNamespace(info=SimpleNamespace(run_id="r1"))
+
+        def set_terminated(self, run_id):
+            pass
+
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", Client)
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "out" / "mlflow.db"
+    cfg = load_config(
+        overrides=[*TINY, f"output_dir={tmp_path / 'out'}", 'metrics.trackers=["mlflow"]',
+                   f"metrics.mlflow.tracking_uri=sqlite:///{db}",
+                   "metrics.mlflow.experiment=team/exp"],
+        environ={},
+    )  # fmt: skip
+    run_dir = tmp_path / "out" / "t"
+    MlflowTracker(cfg, run_dir, RunIds(run_dir, resume=False)).close()
+    assert made == [("team/exp", (db.parent / "mlartifacts" / "team_exp").as_uri())]
+
+    assert artifact_location("sqlite:///rel/x.db?mode=rwc", "e") == (
+        (tmp_path / "rel" / "mlartifacts" / "e").as_uri()
+    )
+    assert artifact_location((tmp_path / "mlruns").as_uri(), "e") is None
+    assert artifact_location("http://mlflow:5000", "e") is None
