@@ -159,11 +159,16 @@ def test_a_worker_killed_mid_update_loses_at_most_its_in_flight_answers(
     doomed_log = tmp_path / "rollout---engine-vllm---worker-id-k0.log"
     fresh: subprocess.Popen[str] | None = None
     try:
-        # Generating under v1; v2 is announced right after a group went in, so that the group
-        # the worker admitted in its place is running (answers in flight at the update).
+        # Generating under v1; v2 is announced right after the worker took prompts from the deal,
+        # so that the groups it just admitted are running (answers in flight at the update: the
+        # worker reads the announcement every 5 ms, a group takes MAX_NEW decode steps). Not
+        # "right after a group went in": a worker whose grading lags (a cold pool on a busy
+        # machine) waits for it with its engine empty, and loaded v2 there, nothing in flight.
         wait_for("groups under v1", lambda: ring.stats().inserted >= 2 * N, 300, doomed, doomed_log)
-        seen = ring.stats().inserted
-        wait_for("one more group", lambda: ring.stats().inserted > seen, 60, doomed, doomed_log)
+        (deal,) = client.scan_iter(match=f"{redis_prefix}*deal:*")
+        dealt = lambda: int(client.get(deal) or 0)  # noqa: E731
+        before_admit = dealt()
+        wait_for("prompts admitted", lambda: dealt() > before_admit, 60, doomed, doomed_log)
         fifo = tmp_path / "weights" / "v00000002.fifo"
         os.mkfifo(fifo)
         store.announce(2, LINEAGE, None, first=False)
@@ -180,11 +185,10 @@ def test_a_worker_killed_mid_update_loses_at_most_its_in_flight_answers(
         groups = check_whole(records, policy.eos_id)
         assert {t.worker_id for t in records} == {"k0"}
         assert all((t.token_versions() == 1).all() and t.policy_version == 1 for t in records)
-        (deal,) = client.scan_iter(match=f"{redis_prefix}*deal:*")
-        dealt = int(client.get(deal) or 0)
-        lost = N * (dealt - len(groups))
-        print(f"killed mid-update: {len(groups)} groups in, {lost} answers lost of {N * dealt}")
-        assert 0 < lost <= MAX_INFLIGHT, (dealt, len(groups))
+        taken = dealt()
+        lost = N * (taken - len(groups))
+        print(f"killed mid-update: {len(groups)} groups in, {lost} answers lost of {N * taken}")
+        assert 0 < lost <= MAX_INFLIGHT, (taken, len(groups))
 
         # A fresh worker carries on under v2 (all-zero weights: every token at -log V).
         zero = store.write(((k, torch.zeros_like(v)) for k, v in named), 2)
