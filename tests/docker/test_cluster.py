@@ -253,15 +253,18 @@ def test_the_learners_host_killed_then_started_again_resumes_from_its_checkpoint
     ``learner_host`` is up; ``docker start`` brings the host (and its disk, with the
     checkpoints) back, and the learner resumes from its latest checkpoint there, not from step
     0 (docs/operations.md: the checkpoints live on the learner's host)."""
+    launch_log = cluster.logs / "launch.log"
+    before = launch_log.stat().st_size  # (lines of earlier ranks: a pid may come again)
     step = cluster.step()
     docker("kill", cluster.name("learner-host"))
     t0 = time.monotonic()
     time.sleep(10)
     docker("start", cluster.name("learner-host"))
-    launch_log = cluster.logs / "launch.log"
 
     def resumed() -> re.Match[str] | None:  # (the new rank 0's line: from where)
-        text = launch_log.read_text()
+        with launch_log.open("rb") as f:
+            f.seek(before)
+            text = f.read().decode(errors="replace")
         restarted = re.search(r"pids \[(\d+)\]\), resuming from the latest checkpoint", text)
         if restarted is None:
             return None
