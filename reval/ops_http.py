@@ -5,6 +5,7 @@ A thread of the standard library's HTTP server; no framework in the hot processe
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import socket
@@ -26,15 +27,20 @@ def always_ok() -> tuple[bool, str]:
 
 class PortTaken(OSError):
     """The metrics/health port is in use (or may not be bound here): the message names it and
-    the setting that moves it; the commands print it on one line and exit 1."""
+    the setting that moves it; the commands print it on one line and exit 2."""
 
 
 def port_taken(port: int, addr: str, err: OSError) -> PortTaken:
     """The PortTaken for ``addr:port`` refusing a bind with ``err``."""
+    why = (
+        "ports below 1024 need root (or CAP_NET_BIND_SERVICE); pick another"
+        if err.errno == errno.EACCES
+        else "another process holds the port; stop it, or pick a free one"
+    )
     taken = PortTaken(
-        f"cannot serve metrics and health on {addr}:{port} ({err.strerror or err}): another "
-        f"process holds the port; stop it, or pick a free one with --set "
-        f"metrics.prometheus_port=<port> (reval rollout: --metrics-port <port>; 0: any free)"
+        f"cannot serve metrics and health on {addr}:{port} ({err.strerror or err}): {why} "
+        f"with --set metrics.prometheus_port=<port> (reval rollout: --metrics-port <port>; "
+        f"0: any free)"
     )
     taken.errno = err.errno
     return taken

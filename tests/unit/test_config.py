@@ -234,3 +234,11 @@ def test_the_configs_are_a_checkouts_else_an_installs(tmp_path: Path):
     assert _config_dir(installed, roots=[prefix, user]) == user / "share" / "reval" / "configs"
     (prefix / "share" / "reval" / "configs").mkdir(parents=True)
     assert _config_dir(installed, roots=[prefix, user]) == prefix / "share" / "reval" / "configs"
+
+
+def test_a_service_learner_checkpoints_by_default():
+    """Without a word from the operator the learner keeps checkpoints by updates and by time
+    (issue 38: a learner killed at step 632 came back at step 0 when the default was none)."""
+    for name in ("demo.toml", "qwen25_math_7b.toml"):
+        learner = load_config(CONFIG_DIR / name, environ={}).learner
+        assert learner.checkpoint_every > 0 and 0 < learner.checkpoint_every_s <= 3600, name

@@ -57,3 +57,15 @@ def test_a_full_disk_inside_the_call_raises_at_once() -> None:
     with pytest.raises(OSError, match="No space"):
         retry_redis(fn, budget_s=30.0, what="test")
     assert calls == [1]
+
+
+def test_a_port_refused_for_its_number_is_not_said_to_be_taken() -> None:
+    """A port in use names the other process; a port below 1024 without root (EACCES) says so,
+    not "another process holds the port" (nothing does)."""
+    from reval.ops_http import port_taken
+
+    used = str(port_taken(9400, "0.0.0.0", OSError(errno.EADDRINUSE, "Address already in use")))
+    assert "0.0.0.0:9400" in used and "another process holds the port" in used
+    denied = str(port_taken(22, "0.0.0.0", PermissionError(errno.EACCES, "Permission denied")))
+    assert "0.0.0.0:22 (Permission denied)" in denied and "below 1024 need root" in denied
+    assert "another process" not in denied and "metrics.prometheus_port" in denied
