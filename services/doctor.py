@@ -130,7 +130,7 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
 
 
 def _gb(n: float) -> str:
-    return f"{n / (1 << 30):.1f} GB"
+    return f"{n / (1 << 30):.1f} GiB"
 
 
 # -- the checks --------------------------------------------------------------------------------

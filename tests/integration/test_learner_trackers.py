@@ -2,15 +2,40 @@
 trackers, and a learner resumed from its checkpoint continues the same tracker run (issue 42):
 two learner processes, the second ``--resume-if-any``, one MLflow run holding both's rows at
 their policy versions, read back through ``MlflowClient``, and the learner's final state;
-TensorBoard's events (read by its reader) and one W&B run (its offline files) with both's rows."""
+TensorBoard's events (read by its reader; what a crash left past the checkpoint hidden) and
+one W&B run (its offline files) with both's rows."""
 
 from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 from tests.integration.test_learner_resume import Feeder, killpg, learner, rows, wait_for
+
+STRAY = 12345.0
+"""The loss of the rows a stopped learner logged past its checkpoint (``stray_events``)."""
+
+
+def stray_events(run_dir: Path) -> list[int]:
+    """Rows past the run's latest checkpoint in an event file of their own, as a learner killed
+    after its writer flushed them leaves (a SIGTERM's learner checkpoints its last update: none
+    of its own are): the resumed learner's TensorBoard writer must hide them (``purge_step``).
+    Their steps."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from reval.run_dir import checkpoint_step, latest_in
+
+    latest = latest_in(run_dir / "checkpoints")
+    assert latest is not None
+    steps = [checkpoint_step(latest.name) + k for k in (1, 2, 5)]
+    time.sleep(1.1)  # (event files are read in name order, and their names hold the second)
+    writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+    for step in steps:
+        writer.add_scalar("loss", STRAY, step)
+    writer.close()
+    return steps
 
 
 def test_a_resumed_learner_continues_its_mlflow_run(tmp_path, redis_url, redis_prefix,
@@ -24,6 +49,7 @@ def test_a_resumed_learner_continues_its_mlflow_run(tmp_path, redis_url, redis_p
     feeder = Feeder(redis_url, redis_prefix, "trk")
     procs = []
     last: list[int] = []
+    hidden: list[int] = []
     try:
         for _ in range(2):
             before = len(rows(tmp_path, "trk"))
@@ -34,6 +60,8 @@ def test_a_resumed_learner_continues_its_mlflow_run(tmp_path, redis_url, redis_p
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 143
             last.append(rows(tmp_path, "trk")[-1]["policy_version"])
+            if not hidden:  # (before the second learner: what a crash past a checkpoint leaves)
+                hidden = stray_events(tmp_path / "trk")
     finally:
         feeder.close()
         for proc in procs:
@@ -58,8 +86,10 @@ def test_a_resumed_learner_continues_its_mlflow_run(tmp_path, redis_url, redis_p
 
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    tb = [e.step for e in acc.Scalars("loss")]
-    assert tb == sorted(set(tb)) and set(tb) <= versions and min(tb) <= last[0] < max(tb)
+    tb = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert [s for s, _ in tb] == sorted({s for s, _ in tb}) and {s for s, _ in tb} <= versions
+    assert min(tb)[0] <= last[0] < max(tb)[0] and STRAY not in {v for _, v in tb}
+    assert hidden and all(s > last[0] for s in hidden)
     # W&B: one run (an offline directory per learner process), both learners' rows.
     from tests.unit.test_tracker_wandb import read_run
 

@@ -91,7 +91,7 @@ def test_too_few_gpus_for_the_config_fails_and_names_the_fields():
 
 def test_small_shm_fails_with_the_docker_setting():
     check = doctor.check_shm(gpu_cfg(), node(shm_bytes=64 << 20))  # Docker's default
-    assert check.status == "fail" and "0.1 GB" in check.message
+    assert check.status == "fail" and "0.1 GiB" in check.message
     assert "--shm-size" in check.message and "shm_size" in check.message
     assert doctor.check_shm(gpu_cfg(), node(shm_bytes=None)).status == "fail"
 

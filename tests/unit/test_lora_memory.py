@@ -50,7 +50,7 @@ def test_doctor_gives_the_lora_state_against_full_fine_tuning(tmp_path):
     check = check_lora(cfg, facts)
     assert check.status == "ok"
     assert "36,929,536 adapter parameters" in check.message  # rank 32 on all linear layers
-    assert "6.4 GB per rank against 25.9 GB" in check.message
+    assert "6.4 GiB per rank against 25.9 GiB" in check.message
     off = load_config(overrides=over, environ={})
     assert check_lora(off, facts).status == "skip"
     assert check_lora(cfg, Facts(True, "2", "12", None, 1, None, 1, "/", None)).status == "skip"
