@@ -22,7 +22,7 @@ CPU publish above (hub only, no flat broadcast) of the same model twice in one r
 full, then wrapped (adapters random), through ``WeightSender(lora_publish="adapter")``. Targets
 (issue 41): rank 32 under 2% of the full bytes on the 1.5B shape; a LoRA publish >= 20x faster.
 
-    .venv/bin/python benchmarks/sync_bench.py --lora 32 --sizes 500MB --reps 15
+    .venv/bin/python benchmarks/sync_bench.py --lora 32 --sizes 500MB,2GB --reps 15
 
 **GPU (``--gpu``).** One learner rank on one CUDA device (a 1-rank NCCL group, the model sharded
 with ``learner.parallel.shard`` in bf16 over fp32 masters), Qwen2.5-1.5B- and 7B-shaped models
@@ -80,6 +80,11 @@ CPU_SHAPES: dict[str, dict[str, Any]] = {
     "500MB": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=6,
                   num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
                   tie_word_embeddings=True),
+    # ~1.8 GB: Qwen2.5-1.5B's width and heads, 12 of its 28 layers at a narrower MLP (three
+    # processes hold a copy each: what this 24 GiB machine can run beside itself)
+    "2GB": dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=12,
+                num_attention_heads=12, num_key_value_heads=2, vocab_size=32000,
+                tie_word_embeddings=True),
 }  # fmt: skip
 
 QWEN_SHAPES: dict[str, dict[str, Any]] = {
@@ -173,7 +178,8 @@ def _cpu_rank(rank: int, port: int, args: argparse.Namespace, q: Any) -> None:
         if rank_lora:  # the same base, wrapped; adapters random (B = 0 would send zeros)
             model = _wrapped(model, rank_lora)
         nbytes = payload_bytes(model, torch.float32, publish)
-        flat = torch.zeros(nbytes, dtype=torch.uint8)  # (touched: no first-touch faults)
+        # (touched: no first-touch faults; only where the flat broadcast runs: memory)
+        flat = torch.zeros(nbytes if "flat" in kinds else 0, dtype=torch.uint8)
         sender = recv = None
         if rank == 0:
             hub = BroadcastHub(0, host="127.0.0.1", timeout_s=300, bucket_bytes=bucket_bytes)
@@ -191,7 +197,7 @@ def _cpu_rank(rank: int, port: int, args: argparse.Namespace, q: Any) -> None:
         # Buckets packed beforehand (the diagnostic): the sender's own layout.
         if rank == 0:
             plan = plan_buckets(published_tensors(model, lora_publish=publish), bucket_bytes)
-            packed = [p.pack().data for p in plan]
+            packed = [p.pack().data for p in plan] if "prepacked" in kinds else []
         if rank == 0:
             assert sender is not None
             while int(sender.hub.store.add("tickets", 0)) < 2:  # type: ignore[union-attr]
@@ -544,7 +550,9 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="the GPU mode (one CUDA device)")
-    ap.add_argument("--sizes", default=None, help="CPU: 50MB,500MB; GPU: qwen2.5-1.5b,qwen2.5-7b")
+    ap.add_argument(
+        "--sizes", default=None, help="CPU: 50MB,500MB,2GB; GPU: qwen2.5-1.5b,qwen2.5-7b"
+    )
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
