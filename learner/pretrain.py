@@ -68,4 +68,7 @@ def pretrain(
         if done * REPORTS // steps > (done - 1) * REPORTS // steps:  # (a tenth crossed)
             log.info("pretraining: step %d/%d (%d%%), loss %.3f, %.0f s", done, steps,
                      100 * done // steps, loss_value, time.monotonic() - t0)  # fmt: skip
+    # The last step's gradients go: a model's worth of memory, and under LoRA (the base frozen
+    # after this) they stayed on the base and counted in every update's grad norm.
+    opt.zero_grad(set_to_none=True)
     return loss_value

@@ -221,7 +221,9 @@ class Learner:
             raise UpdateMemoryError(
                 f"the update ran out of memory on its batch ({failed or 'on another rank'})"
             )
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        # (the trainable ones: a frozen parameter's gradient, if something left one, is not this
+        # update's; requires_grad is the same on every rank, so they all join the norm's reduce)
+        params = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.learner_cfg.grad_clip))
         skipped = not math.isfinite(norm)
         if skipped:

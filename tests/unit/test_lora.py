@@ -220,3 +220,95 @@ def test_a_lora_checkpoint_holds_the_adapters_not_the_base(tmp_path: Path):
     other = _learner(seed=1)  # another base
     with pytest.raises(ValueError, match="trained on another base"):
         _checkpointer(other, tmp_path).load()
+
+
+def test_activation_checkpointing_changes_nothing_of_a_lora_update():
+    """Adapters under activation checkpointing (non-reentrant, as the learner enables it): the
+    layers' forwards run again in the backward, and the update is the one without it (the
+    frozen embeddings give the checkpointed layers no input that needs a gradient: the
+    reentrant variant would have cut the adapters' gradients off there)."""
+    from reval.policy import enable_checkpointing
+
+    plain, ckpt = _learner(), _learner()
+    with torch.no_grad():  # (the same A: peft draws it from the global generator)
+        for (_, p), (_, q) in zip(lora.adapter_parameters(ckpt.model),
+                                  lora.adapter_parameters(plain.model), strict=True):  # fmt: skip
+            p.copy_(q)
+    enable_checkpointing(ckpt.model)  # type: ignore[arg-type]
+    calls = {"plain": 0, "ckpt": 0}
+    for name, lrn in (("plain", plain), ("ckpt", ckpt)):
+        mlp = lrn.model.get_base_model().model.layers[0].mlp
+        forward = mlp.forward
+
+        def counted(*args, name=name, forward=forward, **kwargs):  # (a hook would not count
+            calls[name] += 1  # the recompute: it runs under the checkpoint's own call)
+            return forward(*args, **kwargs)
+
+        mlp.forward = counted
+    got, want = ckpt.update(_batch()), plain.update(_batch())
+    assert calls["ckpt"] > calls["plain"] > 0  # (recomputed in the backward)
+    assert got.metrics["loss"] == pytest.approx(want.metrics["loss"], rel=1e-6)
+    for (n, p), (m, q) in zip(lora.adapter_parameters(ckpt.model),
+                              lora.adapter_parameters(plain.model), strict=True):  # fmt: skip
+        assert n == m
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    assert any(
+        ".lora_B." in n and p.abs().sum() > 0 for n, p in lora.adapter_parameters(ckpt.model)
+    )
+
+
+def test_reval_train_trains_adapters_and_exports_them(tmp_path: Path, monkeypatch):
+    """``reval train`` with ``model.lora.rank``: its learner trains a wrapped policy whose only
+    gradients are the adapters' (pretraining's, on the base, are gone), and its ``final/``
+    holds that policy's adapters as a PEFT directory and the merged checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import services.train as embedded
+    from learner.export import ADAPTER_DIR
+    from services.train import train
+    from tests.unit.test_trackers import TINY
+
+    made: list[Learner] = []
+
+    class Kept(Learner):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            made.append(self)
+
+    monkeypatch.setattr(embedded, "Learner", Kept)
+    sets = [*TINY, f"output_dir={tmp_path}", "model.lora.rank=8", "learner.rounds=2"]
+    cfg = load_config(overrides=sets, environ={})
+    train(cfg)
+    (learner,) = made
+    model = learner.model
+    assert lora.is_lora(model) and learner.step > 0
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad and with_grad <= {n for n, _ in lora.adapter_parameters(model)}
+    adapter = cfg.paths.final / ADAPTER_DIR
+    assert (adapter / "adapter_config.json").is_file()
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    trained = [p for _, p in lora.adapter_parameters(model)]
+    assert len(saved) == len(trained)  # (peft's file names differ: compared by their sums)
+    sums = sorted(round(float(t.double().sum()), 6) for t in saved.values())
+    assert sums == sorted(round(float(p.detach().double().sum()), 6) for p in trained)
+    merged = AutoModelForCausalLM.from_pretrained(cfg.paths.final)
+    assert not lora.is_lora(merged)
+
+
+def test_a_frozen_parameter_s_leftover_gradient_is_not_in_the_update_s_norm():
+    """A gradient left on the frozen base (``reval train`` pretrains the whole model, then
+    wraps it) is not this update's: the grad norm, and so the clipping, are the adapters'."""
+    clean, stale = _learner(), _learner()
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(lora.adapter_parameters(stale.model),
+                                  lora.adapter_parameters(clean.model), strict=True):  # fmt: skip
+            p.copy_(q)
+    for p in stale.model.parameters():
+        if not p.requires_grad:
+            p.grad = torch.ones_like(p)
+    got, want = stale.update(_batch()), clean.update(_batch())
+    assert got.metrics["grad_norm"] == pytest.approx(want.metrics["grad_norm"], rel=1e-6)
+    for (_, p), (_, q) in zip(lora.adapter_parameters(stale.model),
+                              lora.adapter_parameters(clean.model), strict=True):  # fmt: skip
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8)
