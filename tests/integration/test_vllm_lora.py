@@ -223,6 +223,40 @@ def test_recompute_samples_the_new_adapter_over_the_whole_answer(
     assert checked >= 1
 
 
+def test_keep_applies_the_new_adapter_at_once_over_the_old_cache(
+    engine, policy, tokenizer, tmp_path
+):
+    """In flight with ``keep``: an answer running when the next adapter arrives goes on under
+    it with its KV cache as computed: its tokens before the update have the old adapted model's
+    log-probs, those after are no longer the old one's (the new adapter applies at the next
+    step; over keys and values of the old, so neither model's by hand alone)."""
+    odd = new_adapters(policy, 31, tmp_path / "odd.safetensors", 0)
+    odd_state = {n: p.detach().clone() for n, p in lora.adapter_parameters(policy)}
+    even = new_adapters(policy, 32, tmp_path / "even.safetensors", 0)
+    versions = Versions(engine, {"zero": odd, "orig": even})
+    first = engine.policy_version + (1 if engine.policy_version % 2 == 0 else 2)  # (odd)
+    assert engine.receiver.load_file(odd, first)
+    versions.announced = first
+    items = prompts(6, start=100)
+    groups, _, _ = run(engine, versions, "keep", items, {first + 1: 4}, tokenizer)
+    check_complete(groups, items, engine.eos_id)
+    with torch.no_grad():
+        for n, p in lora.adapter_parameters(policy):
+            p.copy_(odd_state[n])
+    checked = 0
+    for g in groups:
+        for samp, spans in zip(g.samples, g.spans, strict=True):
+            if spans.tolist()[1::2] != [first, first + 1]:
+                continue
+            start = int(spans[-2])  # the tokens under the even adapters, after the update
+            old = by_hand(policy, list(g.prompt_ids), samp.token_ids)
+            assert np.abs(old[:start] - samp.logprobs[:start]).max() < TOL
+            assert np.abs(old[start:] - samp.logprobs[start:]).max() > 0.05
+            checked += 1
+    new_adapters(policy, 32, tmp_path / "even.safetensors", 0)  # (the policy as it was left)
+    assert checked >= 1
+
+
 def test_finish_samples_each_answer_under_one_adapter(engine, policy, tokenizer, tmp_path):
     """``finish``: the next adapter loads with the engine empty; every answer is sampled under
     one version, with that version's log-probs."""
