@@ -53,7 +53,7 @@ LORA_SHAPE = TinyModelConfig(
     hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
     intermediate_size=1536, max_position_embeddings=256,
 )  # fmt: skip
-"""The ``--lora`` model: 26M parameters (Qwen2's layout), big enough that state, not
+"""The ``--lora`` model: 24M parameters (Qwen2's layout), big enough that state, not
 Python, sets the memory."""
 
 
