@@ -255,9 +255,11 @@ def test_the_learners_host_killed_then_started_again_resumes_from_its_checkpoint
     0 (docs/operations.md: the checkpoints live on the learner's host)."""
     launch_log = cluster.logs / "launch.log"
     before = launch_log.stat().st_size  # (lines of earlier ranks: a pid may come again)
-    step = cluster.step()
     docker("kill", cluster.name("learner-host"))
     t0 = time.monotonic()
+    # (read after the kill: the dead learner's last status, in Redis off its host; read before,
+    # a learner stepping fast may pass a checkpoint or two while `docker kill` runs)
+    step = cluster.step()
     time.sleep(10)
     docker("start", cluster.name("learner-host"))
 
