@@ -333,16 +333,20 @@ def _gathered_attention(
     """Attention of a ``share_prompts`` row [1, H, L, D] (key and value [1, Hkv, L, D]) ->
     [1, L, H, D]: position i attends to the positions ``index[i]`` where ``valid[i]``."""
     _, heads, length, dim = query.shape
-    kv_heads = key.shape[1]
-    k = key[0][:, index].unsqueeze(1)  # [Hkv, 1, L, K, D]: head h reads kv head h // groups
-    v = value[0][:, index].unsqueeze(1)
-    q = query[0].view(kv_heads, heads // kv_heads, length, 1, dim)
+    kv_heads, width = key.shape[1], index.shape[1]
+    # index_select and matmuls, not advanced indexing and broadcast products: on the CPU at the
+    # demo's sizes this is 0.6-0.7x the time of a forward and backward
+    flat = index.reshape(-1)
+    k = key[0].index_select(1, flat).view(kv_heads, length, width, dim)  # [Hkv, L, K, D]
+    v = value[0].index_select(1, flat).view(kv_heads, length, width, dim)
+    # head h reads kv head h // groups: [Hkv, groups, L, D] -> [Hkv, L, groups, D]
+    q = query[0].view(kv_heads, heads // kv_heads, length, dim).transpose(1, 2)
     scale = dim**-0.5 if scaling is None else scaling
-    scores = (q * k).sum(-1) * scale  # [Hkv, groups, L, K]
-    scores = scores.masked_fill(~valid, float("-inf"))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, L, groups, K]
+    scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
     weights = scores.float().softmax(-1).to(query.dtype)
-    out = (weights.unsqueeze(-1) * v).sum(-2)  # [Hkv, groups, L, D]
-    return out.reshape(heads, length, dim).transpose(0, 1)[None].contiguous()
+    out = torch.matmul(weights, v)  # [Hkv, L, groups, D]
+    return out.permute(1, 0, 2, 3).reshape(length, heads, dim)[None]
 
 
 CUDA_VARLEN = True
@@ -406,12 +410,11 @@ def use_varlen_attention(model: nn.Module) -> None:
     config._attn_implementation = VARLEN_SDPA  # type: ignore[union-attr]
 
 
-SHARE_PROMPTS = False
+SHARE_PROMPTS = True
 """Whether a CPU learner whose model runs ``VARLEN_SDPA`` computes each distinct prompt of a
-micro-batch once (``share_prompts``). False: ``pack`` or ``collate`` as ``learner.packing`` says.
-Off: it made the demo's rounds 0.66x the CPU time, but its 600-round runs ended at 0.755 / 0.895
-/ 0.618 / 0.888 (seeds 0-3) against 0.955 / 0.908 / 0.928 / 0.925 with it off, below the slow
-test's 0.8 on seeds 0 and 2; why is not known (docs/demo.md, "What a round costs")."""
+micro-batch once (``share_prompts``). False: ``pack`` or ``collate`` as ``learner.packing`` says
+(docs/demo.md, "What a round costs": the demo's rounds and its success on seeds 0-4 with it on
+and off)."""
 
 
 def can_share_prompts(model: nn.Module, device: torch.device) -> bool:

@@ -289,9 +289,26 @@ class HFEngine:
         finally:
             self.model.train(was_training)
 
-    def _sample(
-        self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator
-    ) -> list[Sample]:
+    def _prefill(self, rows: list[list[int]]) -> tuple[object, Tensor, Tensor, Tensor]:
+        """The prompts' forward: each distinct prompt once (a round asks ``n`` answers of each)
+        and its cache copied to its rows where the model's cache is a ``DynamicCache``; every
+        row where it is not (a model with its own cache: the distinct forward is then wasted).
+        -> (cache, last logits [B, V], attention mask [B, W], positions [B, W])."""
+        from transformers.cache_utils import DynamicCache
+
+        first: dict[tuple[int, ...], int] = {}
+        of_row = [first.setdefault(tuple(r), len(first)) for r in rows]
+        if len(first) < len(rows):
+            cache, logits, attn, pos = self._forward_prompts([list(r) for r in first])
+            if isinstance(cache, DynamicCache):
+                index = torch.tensor(of_row, dtype=torch.long, device=self.device)
+                cache.batch_select_indices(index)
+                return cache, logits[index], attn[index], pos[index]
+        return self._forward_prompts(rows)
+
+    def _forward_prompts(self, rows: list[list[int]]) -> tuple[object, Tensor, Tensor, Tensor]:
+        """``rows`` left-padded to the longest, through the model: (cache, last logits,
+        attention mask, positions)."""
         bsz, width = len(rows), max(len(r) for r in rows)
         ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((bsz, width), dtype=torch.long)
@@ -303,8 +320,13 @@ class HFEngine:
         out = self.model(
             input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1
         )
-        cache = out.past_key_values
-        logits = out.logits[:, -1, :]
+        return out.past_key_values, out.logits[:, -1, :], attn, pos
+
+    def _sample(
+        self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator
+    ) -> list[Sample]:
+        bsz = len(rows)
+        cache, logits, attn, pos = self._prefill(rows)
         next_pos = pos[:, -1:] + 1
         tokens = torch.full((bsz, params.max_new_tokens), self.pad_id, dtype=torch.long)
         logps = torch.zeros((bsz, params.max_new_tokens), dtype=torch.float32)

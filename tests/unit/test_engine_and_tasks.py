@@ -65,6 +65,29 @@ def test_logprobs_match_teacher_forced_forward(engine, policy, temperature):
                 np.testing.assert_allclose(s.logprobs, want.numpy(), atol=2e-4)
 
 
+def test_each_distinct_prompt_is_prefilled_once_with_the_same_answers(engine, policy, monkeypatch):
+    """n answers of a prompt share its prefill (the cache copied to its rows): one forward row
+    per distinct prompt, and the answers and log-probs of prefilling every row."""
+    seen: list[tuple[int, ...]] = []
+    hook = policy.model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    params = SamplingParams(n=4, max_new_tokens=5)
+    try:
+        shared = engine.generate(PROMPTS + [PROMPTS[0]], params, seed=3)
+        assert seen[0] == (len(PROMPTS), max(map(len, PROMPTS)))  # (4 prompts, 3 distinct)
+        assert all(shape[0] == 4 * 4 for shape in seen[1:])  # decoding: every row
+        monkeypatch.setattr(engine, "_prefill", engine._forward_prompts)
+        seen.clear()
+        each = engine.generate(PROMPTS + [PROMPTS[0]], params, seed=3)
+        assert seen[0] == (4 * 4, max(map(len, PROMPTS)))
+    finally:
+        hook.remove()
+    for a, b in zip(sum(shared, []), sum(each, []), strict=True):
+        assert a.token_ids.tolist() == b.token_ids.tolist() and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 def test_load_weights_in_place_changes_outputs(policy):
     model = type(policy.model)(policy.model.config)
     model.load_state_dict(policy.model.state_dict())

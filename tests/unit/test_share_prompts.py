@@ -136,7 +136,8 @@ def test_learner_shares_prompts_on_the_cpu_only_when_it_can_pack(monkeypatch):
     import learner.sequence as sequence
 
     model = tiny()
-    assert not sequence.SHARE_PROMPTS and not can_share_prompts(model, CPU)  # (off by default)
+    monkeypatch.setattr(sequence, "SHARE_PROMPTS", False)
+    assert not can_share_prompts(model, CPU)  # (the switch)
     monkeypatch.setattr(sequence, "SHARE_PROMPTS", True)
 
     def learner(packing: bool) -> Learner:
