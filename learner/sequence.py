@@ -335,7 +335,7 @@ def _gathered_attention(
     _, heads, length, dim = query.shape
     kv_heads, width = key.shape[1], index.shape[1]
     # index_select and matmuls, not advanced indexing and broadcast products: on the CPU at the
-    # demo's sizes this is 0.6-0.7x the time of a forward and backward
+    # demo's sizes this is 0.6-0.75x the time of a forward and backward
     flat = index.reshape(-1)
     k = key[0].index_select(1, flat).view(kv_heads, length, width, dim)  # [Hkv, L, K, D]
     v = value[0].index_select(1, flat).view(kv_heads, length, width, dim)

@@ -73,17 +73,18 @@ def test_each_distinct_prompt_is_prefilled_once_with_the_same_answers(engine, po
         lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
     )
     params = SamplingParams(n=4, max_new_tokens=5)
+    prompts = [*PROMPTS, PROMPTS[0]]
     try:
-        shared = engine.generate(PROMPTS + [PROMPTS[0]], params, seed=3)
+        shared = engine.generate(prompts, params, seed=3)
         assert seen[0] == (len(PROMPTS), max(map(len, PROMPTS)))  # (4 prompts, 3 distinct)
         assert all(shape[0] == 4 * 4 for shape in seen[1:])  # decoding: every row
         monkeypatch.setattr(engine, "_prefill", engine._forward_prompts)
         seen.clear()
-        each = engine.generate(PROMPTS + [PROMPTS[0]], params, seed=3)
+        each = engine.generate(prompts, params, seed=3)
         assert seen[0] == (4 * 4, max(map(len, PROMPTS)))
     finally:
         hook.remove()
-    for a, b in zip(sum(shared, []), sum(each, []), strict=True):
+    for a, b in zip([s for g in shared for s in g], [s for g in each for s in g], strict=True):
         assert a.token_ids.tolist() == b.token_ids.tolist() and a.finish_reason == b.finish_reason
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
