@@ -85,6 +85,13 @@ def eos_mask(responses: Tensor, eos_id: int) -> Tensor:
     return (eos.cumsum(1) - eos).eq(0).to(torch.float32)
 
 
+def _spans(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, place in its row) of each element of rows of ``lengths`` laid end to end."""
+    rows = np.repeat(np.arange(lengths.size), lengths)
+    starts = np.cumsum(lengths) - lengths
+    return rows, np.arange(rows.size) - starts[rows]
+
+
 def collate(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
     """Pad B trajectories into a Batch. The mask is each response's length intersected with,
     for a single-turn record, the EOS rule (padding and anything after the first EOS never
@@ -94,24 +101,26 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Bat
     if not trajectories:
         raise ValueError("cannot collate an empty batch")
     bsz = len(trajectories)
-    plen = max(t.prompt_ids.size for t in trajectories)
-    tlen = max(t.response_ids.size for t in trajectories)
+    plens = np.fromiter((t.prompt_ids.size for t in trajectories), np.int64, bsz)
+    lens = np.fromiter((t.response_ids.size for t in trajectories), np.int64, bsz)
+    plen, tlen = int(plens.max()), int(lens.max())
     ids = np.full((bsz, plen + tlen), pad_id, dtype=np.int64)
     attn = np.zeros((bsz, plen + tlen), dtype=np.int64)
-    lens = np.zeros(bsz, dtype=np.int64)
     rlogp = np.zeros((bsz, tlen), dtype=np.float32)
     actions = np.ones((bsz, tlen), dtype=np.float32)
     episode = np.zeros(bsz, dtype=bool)
+    # every prompt right-aligned to column plen, every response from it (one scatter each)
+    p_row, p_col = _spans(plens)
+    p_col += plen - plens[p_row]
+    ids[p_row, p_col] = np.concatenate([t.prompt_ids for t in trajectories])
+    attn[p_row, p_col] = 1
+    r_row, r_col = _spans(lens)
+    ids[r_row, plen + r_col] = np.concatenate([t.response_ids for t in trajectories])
+    attn[r_row, plen + r_col] = 1
+    rlogp[r_row, r_col] = np.concatenate([t.logprobs for t in trajectories])
     for i, t in enumerate(trajectories):
-        p, r = t.prompt_ids.size, t.response_ids.size
-        ids[i, plen - p : plen] = t.prompt_ids
-        attn[i, plen - p : plen] = 1
-        ids[i, plen : plen + r] = t.response_ids
-        attn[i, plen : plen + r] = 1
-        rlogp[i, :r] = t.logprobs
-        lens[i] = r
         if t.action_mask.size:
-            actions[i, :r] = t.action_mask
+            actions[i, : t.response_ids.size] = t.action_mask
             episode[i] = True
     input_ids = torch.from_numpy(ids)
     attention_mask = torch.from_numpy(attn)

@@ -90,8 +90,15 @@ def token_staleness_mean(batch: SampledBatch) -> float:
     update has tokens of several versions (``Trajectory.version_spans``). The policy's version
     is a record's staleness plus its ``policy_version``."""
     at = batch.staleness + np.array([t.policy_version for t in batch], dtype=np.int64)
-    lags = [v - t.token_versions() for t, v in zip(batch, at, strict=True)]
-    return float(np.concatenate(lags).mean()) if lags else 0.0
+    total = count = 0  # (whole numbers: the mean is the same float as numpy's of every lag)
+    for t, v in zip(batch, at.tolist(), strict=True):
+        n = t.response_ids.size
+        if t.version_spans.size:  # (an answer across weight updates: a lag per token)
+            total += int((v - t.token_versions()).sum())
+        else:
+            total += (v - t.policy_version) * n
+        count += n
+    return total / count if count else 0.0
 
 
 class UpdateStep:
