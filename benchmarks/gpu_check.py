@@ -16,9 +16,12 @@ budget; a step that fails or runs out of time is recorded and the next one still
    repository's root). Nothing missing: nothing installed.
 2. ``learner``: ``benchmarks/learner_gpu_bench.py --gpu`` at the 1.5B shape, varlen attention,
    RL-like and equal lengths at full scale, median of ``--reps 1`` after its two warm-ups (what
-   fits the budget): useful-token MFU and the ratio to a plain HF step.
+   fits the budget): useful-token MFU and the ratio to a plain HF step; then, the full model
+   freed, the same update with rank-32 LoRA adapters (``--lora 32``): time and peak memory
+   against the full model's (issue 41).
 3. ``sync``: ``benchmarks/sync_bench.py --gpu`` at the Qwen2.5-1.5B and 7B shapes, 3 reps after
-   1 warm-up: ``WeightSender.send`` against the gather-and-pack floor.
+   1 warm-up: ``WeightSender.send`` against the gather-and-pack floor; and the 1.5B shape's
+   rank-32 adapters published alone (``--lora 32``): their bytes and send against the full.
 4. ``gpu-tests``: ``pytest -m gpu tests/gpu`` (a JUnit XML beside the logs gives each test's
    outcome), less ``test_publish_gpu.py`` unless ``--all-tests``: the sync step measures what it
    asserts (and the 7B shape), and the 8 minutes have no room for both. Without pytest-timeout
@@ -28,8 +31,8 @@ budget; a step that fails or runs out of time is recorded and the next one still
 Each step's limit (``TIMEOUT_S``) is an estimate: none of this has run on a GPU yet.
 
 ``--device cpu`` (the dry run, CI): the same steps on the CPU at the smallest shapes the
-benchmarks offer (``learner_gpu_bench.py --device cpu --shape tiny --scale 128``,
-``sync_bench.py --device cpu --sizes 50MB``, one rep) and the gpu tests collected only
+benchmarks offer (``learner_gpu_bench.py --device cpu --shape tiny --scale 128 --lora 8``,
+``sync_bench.py --device cpu --sizes 50MB --lora 8``, one rep) and the gpu tests collected only
 (``--collect-only``: they import); ``OMP_NUM_THREADS=1`` unless set (on a shared 2-core machine
 torch's default threads spin: 14 s against 75 s for the learner step here); 45 s here with a
 load average of 11.
@@ -58,7 +61,7 @@ it) is rewritten after every step, so a run cut short still leaves what it measu
 or null when it wrote none; for ``gpu-tests`` ``{"passed", "failed", "errors", "skipped",
 "cases": [{"id", "outcome", "s", "message"}]}`` from the JUnit XML, in the dry run
 ``{"collected": n, "cases": [{"id", "outcome": "collected"}]}``. ``benchmarks/gpu_tables.py``
-turns it into docs/learner.md's tables. LoRA modes join as steps once they exist.
+turns it into docs/learner.md's tables (issue 41's LoRA targets judged with the sync step's).
 """
 
 from __future__ import annotations
@@ -100,9 +103,12 @@ OPTIONAL = ("pytest_timeout",)
 ``-o addopts=`` (the project's addopts name its ``--timeout``); the step's note says so."""
 BUDGET_S = {"gpu": 465.0, "dry-run": 110.0}
 """The whole run's seconds: 8 minutes less a margin on a GPU; well under 2 minutes for CI."""
+LORA_RANK = 32
+"""The LoRA rank of the learner and sync steps' adapter rows (issue 41's targets are at rank 32
+on the 1.5B shape)."""
 TIMEOUT_S = {
-    "gpu": {"learner": 230.0, "sync": 115.0, "gpu-tests": 115.0},
-    "dry-run": {"learner": 70.0, "sync": 40.0, "gpu-tests": 40.0},
+    "gpu": {"learner": 250.0, "sync": 130.0, "gpu-tests": 85.0},
+    "dry-run": {"learner": 75.0, "sync": 40.0, "gpu-tests": 40.0},
 }
 """Each step's own limit (``--timeout NAME=S`` overrides), further capped by what is left. The
 GPU figures are estimates, never measured: issue 27's H200 run took 5-8 s per 1.5B update, and the
@@ -203,14 +209,18 @@ def plan(
     learner = [python, "benchmarks/learner_gpu_bench.py", "--gpu", "--attention", "varlen"]
     learner += ["--reps", "1", "--out", str(learner_json)]
     learner += (
-        ["--device", "cpu", "--shape", "tiny", "--scale", "128"] if dry else ["--shape", "1.5b"]
+        ["--device", "cpu", "--shape", "tiny", "--scale", "128", "--lora", "8"]
+        if dry
+        else ["--shape", "1.5b", "--lora", str(LORA_RANK)]
     )
     sync = [python, "benchmarks/sync_bench.py", "--gpu", "--out", str(sync_json)]
     sync += (
-        ["--device", "cpu", "--sizes", "50MB", "--reps", "1", "--warmup", "0"]
+        ["--device", "cpu", "--sizes", "50MB", "--reps", "1", "--warmup", "1", "--lora", "8",
+         "--lora-sizes", "50MB"]
         if dry
-        else ["--sizes", "qwen2.5-1.5b,qwen2.5-7b", "--reps", "3", "--warmup", "1"]
-    )
+        else ["--sizes", "qwen2.5-1.5b,qwen2.5-7b", "--reps", "3", "--warmup", "1", "--lora",
+              str(LORA_RANK), "--lora-sizes", "qwen2.5-1.5b"]
+    )  # fmt: skip
     tests = [python, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider"]
     note = None
     if dry:

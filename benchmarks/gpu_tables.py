@@ -1,7 +1,7 @@
 """The JSON of ``benchmarks/gpu_check.py`` (its docstring: format 1) as docs/learner.md's tables:
 the machine and the command, each step's outcome, publishing against the floor, the learner's
-useful-token MFU, the gpu tests, and the targets of issues 27 and 39 met or not (judged on a GPU
-run only).
+useful-token MFU, the gpu tests, and the targets of issues 27, 39 and 41 met or not (judged on a
+GPU run only).
 
     .venv/bin/python benchmarks/gpu_tables.py runs/gpu_check/gpu_check.json          # markdown
     .venv/bin/python benchmarks/gpu_tables.py gpu_check.json --write docs/learner.md  # in place
@@ -27,6 +27,10 @@ MFU_TARGET = 0.40
 HF_RATIO_TARGET = 1.2
 """The learner's targets (issue 27): on RL-like lengths, ReVal with the reference cached at >=
 40% useful-token MFU and >= 1.2x a plain HF step's useful tokens/s."""
+LORA_BYTES = 0.02
+LORA_SPEEDUP = 20.0
+"""LoRA's publishing targets (issue 41): the adapters' bytes under 2% of the full weights' at the
+1.5B shape, their send at least 20x faster than the full weights'."""
 MIB = 1 << 20
 
 
@@ -109,10 +113,11 @@ def sync_tables(report: dict[str, Any], judge: bool) -> list[str]:
     rows, targets = [], []
     for r in figs["results"]:
         m, pk = r["median_s"], r["peak_extra_bytes"]
+        adapters = bool(r.get("lora"))
         rows.append(
             [
-                r["model"],
-                f"{r['nbytes'] / 1e9:.2f}",
+                f"{r['model']}, LoRA r{r['lora']} adapters" if adapters else r["model"],
+                f"{r['nbytes'] / 1e9:.4f}" if adapters else f"{r['nbytes'] / 1e9:.2f}",
                 r["buckets"],
                 f"{m['send']:.4f}",
                 f"{m['send_returns']:.4f}",
@@ -122,6 +127,8 @@ def sync_tables(report: dict[str, Any], judge: bool) -> list[str]:
                 f"{pk['send'] / MIB:,.0f} / {pk['floor'] / MIB:,.0f}",
             ]
         )
+        if adapters:  # (judged below against the full publish of the same model)
+            continue
         ok = r["ratio_send_to_floor"] <= SEND_OVER_FLOOR
         what = f"{r['model']}: send <= {SEND_OVER_FLOOR}x the floor"
         if "7b" in r["model"].lower():
@@ -145,6 +152,15 @@ def sync_tables(report: dict[str, Any], judge: bool) -> list[str]:
         rows,
     )
     out += ["", f"Median of {figs['reps']}, {figs['bucket_mb']:g} MB buckets, files on, no wire."]
+    for model, v in figs.get("lora_vs_full", {}).items():
+        out.append(f"{model}, LoRA rank {v['rank']}: the adapters are {v['bytes_ratio']:.2%} of "
+                   f"the full bytes; their send {v['speedup']:.1f}x faster.")  # fmt: skip
+        ok = v["bytes_ratio"] < LORA_BYTES and v["speedup"] >= LORA_SPEEDUP
+        targets.append(
+            f"- {model}, LoRA rank {v['rank']}: adapters under {LORA_BYTES:.0%} of the full "
+            f"bytes and their send >= {LORA_SPEEDUP:g}x faster: {_verdict(ok)} "
+            f"({v['bytes_ratio']:.2%}, {v['speedup']:.1f}x)"
+        )
     return out + (["", "Targets:", *targets] if judge else [])
 
 
@@ -182,6 +198,10 @@ def learner_tables(report: dict[str, Any], judge: bool) -> list[str]:
         f"two warm-ups, MFU against {a['peak_tflops']:g} TFLOP/s. ReVal (reference cached) / "
         f"plain HF step, useful tokens/s: {ratios}.",
     ]
+    for k, v in figs.get("lora_vs_full", {}).items():  # (measured, not judged: no target)
+        peak = f", its peak memory {v['peak']:.2f}x" if v.get("peak") else ""
+        out.append(f"LoRA against the full model (ReVal, reference cached), {k}: the update "
+                   f"takes {v['s']:.2f}x the time{peak}.")  # fmt: skip
     if judge:
         by = {(r["lengths"], r["update"]): r for r in figs["rows"]}
         mfu = by[("RL-like", "ReVal, reference cached")]["mfu"]

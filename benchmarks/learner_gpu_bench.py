@@ -36,6 +36,12 @@ varlen kernel (``learner/sequence.py`` ``CUDA_VARLEN``); ``--compile`` compiles 
 layer before sharding. The same code runs on the CPU with ``--device cpu --shape tiny`` (its
 smoke test: tests/unit/test_learner_gpu_bench.py).
 
+``--lora RANK`` (GPU mode): after the full model's cases, that model freed, the ReVal update
+(reference cached) of the same shape with rank-``RANK`` adapters on all linear layers
+(``reval.lora.wrap`` after the memory plan, before sharding, as ``learner.parallel`` does; the
+base is the reference): seconds, tokens/s, MFU on 4 N per token (the frozen base gets no weight
+gradients) and peak memory, and the ratios to the full model's update (issue 41).
+
 Targets (issue 27): packed useful / computed >= 0.97; packed no slower than padded on equal
 lengths (CPU); on a GPU at the 1.5B shape with RL-like lengths, useful-token MFU >= 40% for ReVal
 with a cached reference and >= 1.2x the plain HF step's throughput.
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import time
 from typing import Any
 
@@ -178,14 +185,20 @@ def init_one_rank(device: str) -> torch.device:
     return init_group(device, "auto", 600)
 
 
-def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any, Any]:
-    """The run config, the sharded policy (fp32 masters), its bf16 reference and the plan."""
+def build(
+    args: argparse.Namespace, device: torch.device, rank_lora: int = 0
+) -> tuple[Any, Any, Any, Any]:
+    """The run config, the sharded policy (fp32 masters), its bf16 reference and the plan;
+    ``rank_lora``: the policy with rank-``rank_lora`` adapters on all linear layers (wrapped
+    after the memory plan and before sharding, as ``learner.parallel`` does) and no reference
+    model (the policy's base is its reference)."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
 
     from learner.memory import apply_plan
     from learner.parallel import shard
+    from reval import lora
     from reval.config import RunConfig
     from reval.policy import compute_dtype
 
@@ -202,26 +215,36 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any
                     "max_tokens_per_micro_batch": FULL_BUDGET // args.scale, "packing": "auto"},
         "algo": {"beta": 0.002},
     })  # fmt: skip
+    if rank_lora:
+        cfg.model.lora.rank = rank_lora
     dtype = compute_dtype(cfg.model)
     with torch.device(device):
         model = build_tiny_model(cfg.model.tiny, vocab, PAD, EOS, seed=0)
     plan = apply_plan(cfg, model, device)
     print(plan.describe())
-    reference = copy.deepcopy(model).to(dtype).requires_grad_(False).eval()
+    reference = None
+    if rank_lora:
+        model = lora.wrap(model, cfg.model.lora)
+    else:
+        reference = copy.deepcopy(model).to(dtype).requires_grad_(False).eval()
     if args.compile:
-        for layer in model.model.layers:
+        for layer in lora.base_model(model).model.layers if rank_lora else model.model.layers:
             layer.compile()
     mesh = init_device_mesh(device.type, (1,))
     shard(model, mesh, dtype)
-    shard(reference, mesh, dtype, reshard_root=True)
+    if reference is not None:
+        shard(reference, mesh, dtype, reshard_root=True)
     return cfg, model, reference, plan
 
 
-def model_flops(model: Any, sizes: list[tuple[int, int]], reference: bool) -> float:
+def model_flops(
+    model: Any, sizes: list[tuple[int, int]], reference: bool, lora: bool = False
+) -> float:
     """FLOPs of one update's useful work: 6 N per token (the LM head included; the embedding
     lookup is free: N counts a tied matrix once) + causal attention, forward 2 L^2 d per layer
     and three times that with the backward; the reference forward (a third of that) where it
-    runs."""
+    runs. ``lora``: 4 N per token (the frozen base's weights get no gradient: the forward and
+    the gradients of the activations)."""
     c = model.config
     n = sum(p.numel() for p in model.parameters())
     if not c.tie_word_embeddings:
@@ -230,7 +253,7 @@ def model_flops(model: Any, sizes: list[tuple[int, int]], reference: bool) -> fl
     per = 0.0
     for p, r in sizes:
         length = p + r
-        per += 6 * n * length + 6 * c.num_hidden_layers * length**2 * d
+        per += (4 if lora else 6) * n * length + 6 * c.num_hidden_layers * length**2 * d
     return per * (4 / 3 if reference else 1)
 
 
@@ -299,9 +322,10 @@ def gpu_rows(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
         "RL-like": [(max(1, p // s), max(1, r // s))
                     for p, r in rl_lengths(64, np.random.default_rng(1), args.sigma)],
     }  # fmt: skip
+    batches = {kind: trajectories(sizes, seed=2, vocab=vocab) for kind, sizes in lengths.items()}
     rows: list[dict[str, Any]] = []
     for kind, sizes in lengths.items():
-        ts = trajectories(sizes, seed=2, vocab=vocab)
+        ts = batches[kind]
         useful = sum(p + r for p, r in sizes)
         for name, (algo, recompute) in CASES.items():
             learner = Learner(model, cfg.learner, AlgoConfig(name=algo, beta=0.002), PAD, EOS,
@@ -330,6 +354,45 @@ def gpu_rows(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
         flops = model_flops(model, sizes, reference=False)
         rows.append(row(kind, "plain HF step", sec, useful, flops, peak, args.peak_tflops))
         del optimizer, step
+    if args.lora:  # (the full model's memory freed first: the peak is the LoRA run's own)
+        del model, reference
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows += lora_rows(args, device, lengths, batches)
+    return rows
+
+
+def lora_name(rank: int) -> str:
+    return f"ReVal, LoRA r{rank}, reference cached"
+
+
+def lora_rows(
+    args: argparse.Namespace,
+    device: torch.device,
+    lengths: dict[str, list[tuple[int, int]]],
+    batches: dict[str, list[Trajectory]],
+) -> list[dict[str, Any]]:
+    """``--lora RANK``: the ReVal update (reference cached) of the same shape with adapters on
+    all linear layers: seconds, tokens/s, MFU on 4 N per token, peak memory."""
+    from learner.parallel import reduce_scalar
+    from reval.config import AlgoConfig
+    from reval.policy import compute_dtype
+
+    cfg, model, _none, _plan = build(args, device, args.lora)
+    rows = []
+    for kind, sizes in lengths.items():
+        ts = batches[kind]
+        for t in ts:  # (the reference is the adapters' base now: computed at the warm-up)
+            t.ref_version = -1
+        learner = Learner(model, cfg.learner, AlgoConfig(name="reval", beta=0.002), PAD, EOS,
+                          device, reduce=reduce_scalar,
+                          compute_dtype=compute_dtype(cfg.model))  # fmt: skip
+        sec, peak = measure(functools.partial(learner.update, ts), device, args.reps)
+        flops = model_flops(model, sizes, reference=False, lora=True)
+        useful = sum(p + r for p, r in sizes)
+        rows.append(row(kind, lora_name(args.lora), sec, useful, flops, peak, args.peak_tflops))
+        del learner
     return rows
 
 
@@ -368,18 +431,28 @@ def gpu_main(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"\n{name}, torch {torch.__version__}, shape {args.shape}, lengths / {args.scale}, "
           f"checkpointing {args.checkpointing}, attention {args.attention}")  # fmt: skip
-    print(f"{'lengths':8s} {'update':28s} {'s':>8s} {'tokens/s':>10s} {'MFU':>7s} {'peak GB':>8s}")
+    print(f"{'lengths':8s} {'update':34s} {'s':>8s} {'tokens/s':>10s} {'MFU':>7s} {'peak GB':>8s}")
     for r in rows:
-        print(f"{r['lengths']:8s} {r['update']:28s} {r['s']:8.3f} {r['tokens_per_s']:10.0f} "
+        print(f"{r['lengths']:8s} {r['update']:34s} {r['s']:8.3f} {r['tokens_per_s']:10.0f} "
               f"{r['mfu']:7.1%} {r['peak_gb']:8.1f}")  # fmt: skip
     by = {(r["lengths"], r["update"]): r for r in rows}
     ratios = {k: by[(k, "ReVal, reference cached")]["tokens_per_s"]
               / by[(k, "plain HF step")]["tokens_per_s"] for k in ("equal", "RL-like")}  # fmt: skip
     print("ReVal (reference cached) / plain HF step, tokens/s: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))  # fmt: skip
+    lora_vs_full = {}
+    if args.lora:
+        for k in ("equal", "RL-like"):
+            full, low = by[(k, "ReVal, reference cached")], by[(k, lora_name(args.lora))]
+            lora_vs_full[k] = {"s": low["s"] / full["s"], "peak": low["peak_gb"] / full["peak_gb"]
+                               if full["peak_gb"] else None}  # fmt: skip
+        print(f"LoRA r{args.lora} / full (ReVal, reference cached): " + ", ".join(
+            f"{k} update {v['s']:.2f}x" + (f", peak {v['peak']:.2f}x" if v["peak"] else "")
+            for k, v in lora_vs_full.items()))  # fmt: skip
     if args.out:
         facts = {"device": name, "torch": torch.__version__, "args": vars(args), "rows": rows,
-                 "ratio_vs_hf": ratios, "varlen_failed": sequence._VARLEN_FAILED}  # fmt: skip
+                 "ratio_vs_hf": ratios, "lora_vs_full": lora_vs_full,
+                 "varlen_failed": sequence._VARLEN_FAILED}  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(facts, f, indent=1)
     torch.distributed.destroy_process_group()
@@ -403,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="H100/H200 dense bf16")
     ap.add_argument("--profile", help="--gpu: write a torch.profiler table and trace here")
     ap.add_argument("--out", help="--gpu: write the figures here as JSON")
+    ap.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="--gpu: also the ReVal update with rank-RANK adapters (all linear)",
+    )
     args = ap.parse_args(argv)
     if args.gpu:
         if args.scale == 16 and args.device == "cuda":

@@ -41,7 +41,15 @@ with ``learner.parallel.shard`` in bf16 over fp32 masters), Qwen2.5-1.5B- and 7B
 - the peak extra device memory during ``send`` (``torch.cuda.max_memory_allocated`` above the
   memory allocated before it).
 
+With ``--lora RANK``, each model of ``--lora-sizes`` (default the 1.5B shape) is measured a
+second time with rank-``RANK`` adapters on all linear layers (``reval.lora.wrap`` before
+sharding, as the learner does; adapters random), publishing the adapters alone
+(``WeightSender(lora_publish="adapter")``; its base file is written once, at the first send, a
+warm-up): its row beside the full one, and issue 41's ratios (the adapters' bytes under 2% of
+the full weights', their send at least 20x faster).
+
     .venv/bin/python benchmarks/sync_bench.py --gpu --out sync_gpu.json
+    .venv/bin/python benchmarks/sync_bench.py --gpu --sizes qwen2.5-1.5b --lora 32
 """
 
 from __future__ import annotations
@@ -271,8 +279,9 @@ def _wrapped(model: nn.Module, rank: int) -> nn.Module:
     from reval.config import LoraConfig
 
     model = lora.wrap(model, LoraConfig(rank=rank))
-    gen = torch.Generator().manual_seed(1)
-    for _, p in lora.adapter_parameters(model):
+    adapters = lora.adapter_parameters(model)
+    gen = torch.Generator(device=adapters[0][1].device).manual_seed(1)
+    for _, p in adapters:
         p.normal_(0.0, 0.02, generator=gen)
     return model
 
@@ -402,12 +411,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _floor(
-    model: nn.Module, plan: list[Any], pool: BufferPool, dtype: torch.dtype, device: torch.device
-) -> None:
-    """What any send must do: each parameter's full tensor in ``dtype`` (cast on the shard,
+    model: nn.Module, plan: list[Any], pool: BufferPool, dtype: torch.dtype, device: torch.device,
+    publish: str = "merged",
+) -> None:  # fmt: skip
+    """What any send must do: each published tensor whole in ``dtype`` (cast on the shard,
     ``full_tensor``), packed into device buckets from a pool (the sender's own ``_full`` and
-    ``PlannedBucket.pack``), nothing else."""
-    source = iter(published_tensors(model))
+    ``PlannedBucket.pack``), nothing else. ``publish``: a LoRA policy's (``"adapter"``)."""
+    source = iter(published_tensors(model, lora_publish=publish))
     for planned in plan:
         planned.tensors = [_full(next(source)[1], dtype) for _ in planned.metas]
         buf = pool.get(planned.nbytes, device)
@@ -416,32 +426,39 @@ def _floor(
         pool.put(buf)
 
 
-def _gather(model: nn.Module, dtype: torch.dtype) -> None:
-    """Only the gathers (a diagnostic): each parameter's full tensor in ``dtype``, dropped."""
-    for _, t in published_tensors(model):
+def _gather(model: nn.Module, dtype: torch.dtype, publish: str = "merged") -> None:
+    """Only the gathers (a diagnostic): each published tensor whole in ``dtype``, dropped."""
+    for _, t in published_tensors(model, lora_publish=publish):
         _full(t, dtype)
 
 
 def _gpu_one(
-    name: str, device: torch.device, mesh: Any, args: argparse.Namespace
+    name: str, device: torch.device, mesh: Any, args: argparse.Namespace, rank_lora: int = 0
 ) -> dict[str, Any]:
+    """One model's publishes; ``rank_lora``: the same base with rank-``rank_lora`` adapters
+    (wrapped before sharding, as the learner does), publishing the adapters alone."""
     from learner.parallel import shard
 
     dtype = torch.bfloat16
     shape = {**CPU_SHAPES, **QWEN_SHAPES}[name]
-    model = shard(build_model(shape, device), mesh, dtype)  # fp32 masters, bf16 compute
+    base = build_model(shape, device)
+    publish = "adapter" if rank_lora else "merged"
+    model = shard(_wrapped(base, rank_lora) if rank_lora else base, mesh, dtype)  # fp32 masters
     bucket_bytes = int(args.bucket_mb * (1 << 20))
-    nbytes = payload_bytes(model, dtype)
+    nbytes = payload_bytes(model, dtype, publish)
+    published = published_tensors(model, lora_publish=publish)
     plan = plan_buckets(
         [(n, torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
-                         device="meta")) for n, t in published_tensors(model)],
+                         device="meta")) for n, t in published],
         bucket_bytes,
     )  # fmt: skip
+    del published
     cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="sync-bench-", dir=args.weights_dir) as tmp:
         # A gloo hub nobody joined: ``start`` finds no member, so the sync skips the wire.
         hub = BroadcastHub(0, host="127.0.0.1", timeout_s=60, bucket_bytes=bucket_bytes)
-        sender = WeightSender(0, dtype, device, bucket_bytes, store=_FilesOnly(tmp), hub=hub)
+        sender = WeightSender(0, dtype, device, bucket_bytes, store=_FilesOnly(tmp), hub=hub,
+                              lora_publish=publish)  # fmt: skip
         assert sender.files is not None
         pool = BufferPool(keep=IN_FLIGHT + 2)
         kinds = ("send", "floor", "gather")
@@ -464,9 +481,9 @@ def _gpu_one(
                     returned = time.perf_counter() - t0
                     assert result.file and result.receivers == 0, result
                 elif kind == "floor":
-                    _floor(model, plan, pool, dtype, device)
+                    _floor(model, plan, pool, dtype, device, publish)
                 else:
-                    _gather(model, dtype)
+                    _gather(model, dtype, publish)
                 if cuda:  # the learner's next kernels queue behind what send queued on its
                     torch.cuda.current_stream(device).synchronize()  # stream (the file's
                 took = time.perf_counter() - t0  # copies run on a side stream: not in it)
@@ -486,7 +503,8 @@ def _gpu_one(
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {
         "model": name,
-        "params": sum(t.numel() for _, t in published_tensors(model)),
+        "lora": rank_lora,
+        "params": sum(t.numel() for _, t in published_tensors(model, lora_publish=publish)),
         "nbytes": nbytes,
         "buckets": len(plan),
         "largest_bucket": max(p.nbytes for p in plan),
@@ -497,7 +515,7 @@ def _gpu_one(
         "first_send_peak_extra_bytes": first_send_peak,
         "device_pool_bytes": sum(int(b.numel()) for b in hub.pool._free),
     }
-    del model, sender, hub, pool
+    del model, base, sender, hub, pool
     gc.collect()  # (FSDP's hooks hold the module in cycles: free it before the next model)
     if cuda:
         torch.cuda.empty_cache()
@@ -522,7 +540,11 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
                             world_size=1, timeout=dt.timedelta(seconds=600))  # fmt: skip
     try:
         mesh = init_device_mesh(device.type, (1,))
-        results = [_gpu_one(name, device, mesh, args) for name in args.sizes.split(",")]
+        results = []
+        for name in args.sizes.split(","):
+            results.append(_gpu_one(name, device, mesh, args))
+            if args.lora and name in args.lora_sizes.split(","):
+                results.append(_gpu_one(name, device, mesh, args, args.lora))
     finally:
         dist.destroy_process_group()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
@@ -537,14 +559,34 @@ def gpu_main(args: argparse.Namespace) -> dict[str, Any]:
     mib = 1 << 20
     for r in results:
         m, pk = r["median_s"], r["peak_extra_bytes"]
+        shown = f"{r['model']}, LoRA r{r['lora']} adapters" if r["lora"] else r["model"]
         print(
-            f"| {r['model']} | {r['nbytes'] / 1e9:.2f} | {r['buckets']} | {m['send']:.4f} | "
+            f"| {shown} | {r['nbytes'] / 1e9:.4f} | {r['buckets']} | {m['send']:.4f} | "
             f"{m['send_returns']:.4f} | {m['floor']:.4f} | {r['ratio_send_to_floor']:.2f} | "
             f"{m['gather']:.4f} | {pk['send'] / mib:,.0f} / {pk['floor'] / mib:,.0f} "
             f"({(r['first_send_peak_extra_bytes'] or 0) / mib:,.0f}) |"
         )
+    lora_vs_full = lora_ratios(results)
+    for name, r in lora_vs_full.items():
+        print(f"{name}, rank {r['rank']}: the adapters are {r['bytes_ratio']:.2%} of the full "
+              f"bytes; their send {r['speedup']:.1f}x faster than the full weights'")  # fmt: skip
     return {"mode": "gpu", "device": where, "bucket_mb": args.bucket_mb, "reps": args.reps,
-            "results": results}  # fmt: skip
+            "results": results, "lora_vs_full": lora_vs_full}  # fmt: skip
+
+
+def lora_ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per model measured both ways: the adapters' bytes over the full weights' and the full
+    send's median time over the adapters' (issue 41's targets: under 2%, at least 20x)."""
+    full = {r["model"]: r for r in results if not r["lora"]}
+    return {
+        r["model"]: {
+            "rank": r["lora"],
+            "bytes_ratio": r["nbytes"] / full[r["model"]]["nbytes"],
+            "speedup": full[r["model"]]["median_s"]["send"] / r["median_s"]["send"],
+        }
+        for r in results
+        if r["lora"] and r["model"] in full
+    }
 
 
 def main() -> int:
@@ -562,14 +604,18 @@ def main() -> int:
         "learner's one rank and the workers have here)",
     )  # fmt: skip
     ap.add_argument("--lora", type=int, default=0, metavar="RANK",
-                    help="CPU: LoRA of this rank: bytes per publish (1.5B, 7B) and publish time "
-                    "of the adapter against the full weights")  # fmt: skip
+                    help="LoRA of this rank: bytes per publish and publish time of the adapters "
+                    "against the full weights (CPU: and the 1.5B/7B bytes; GPU: the models in "
+                    "--lora-sizes)")  # fmt: skip
+    ap.add_argument(
+        "--lora-sizes",
+        default="qwen2.5-1.5b",
+        help="GPU with --lora: the models also published as adapters",
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--device", default="cuda", help="GPU: the device (cpu: a dry run)")
     ap.add_argument("--weights-dir", default=None, help="GPU: where the files go (a temp dir)")
     args = ap.parse_args()
-    if args.gpu and args.lora:
-        raise SystemExit("--lora is a CPU mode for now (not with --gpu)")
     if args.gpu:
         args.sizes = args.sizes or ",".join(QWEN_SHAPES)
         out = gpu_main(args)

@@ -74,12 +74,20 @@ def test_the_dry_run_measures_every_step_on_the_cpu_and_the_tables_render_it(tmp
         assert (out.parent / s["log"]).stat().st_size > 0
     learner, sync, tests = (s["figures"] for s in rep["steps"])
     assert "--device cpu --shape tiny" in rep["steps"][0]["command"]
-    assert learner["args"]["shape"] == "tiny" and len(learner["rows"]) == 8
+    assert learner["args"]["shape"] == "tiny" and len(learner["rows"]) == 10
     assert all(r["s"] > 0 and r["tokens_per_s"] > 0 for r in learner["rows"])
     assert set(learner["ratio_vs_hf"]) == {"equal", "RL-like"}
+    lora_rows = [r for r in learner["rows"] if r["update"] == "ReVal, LoRA r8, reference cached"]
+    assert [r["lengths"] for r in lora_rows] == ["equal", "RL-like"]
+    assert set(learner["lora_vs_full"]) == {"equal", "RL-like"}
+    assert all(v["s"] > 0 for v in learner["lora_vs_full"].values())
     assert "--device cpu --sizes 50MB" in rep["steps"][1]["command"]
-    (pub,) = sync["results"]
+    pub, adapters = sync["results"]
     assert pub["model"] == "50MB" and pub["median_s"]["send"] > 0 and pub["ratio_send_to_floor"] > 0
+    assert (pub["lora"], adapters["model"], adapters["lora"]) == (0, "50MB", 8)
+    assert 0 < adapters["nbytes"] < pub["nbytes"] / 20  # (rank 8 on the 50MB shape: 1.7%)
+    ratio = sync["lora_vs_full"]["50MB"]
+    assert ratio["bytes_ratio"] == adapters["nbytes"] / pub["nbytes"] and ratio["speedup"] > 1
     assert "--collect-only" in rep["steps"][2]["command"]
     assert tests["collected"] == len(tests["cases"]) == _gpu_tests_in_tree() >= 5
     assert all(c["id"].startswith("tests/gpu/test_") for c in tests["cases"])
@@ -91,6 +99,9 @@ def test_the_dry_run_measures_every_step_on_the_cpu_and_the_tables_render_it(tmp
     assert f"torch {torch.__version__}" in md and rep["command"] in md
     assert "| learner | `python benchmarks/learner_gpu_bench.py --gpu" in md
     assert "| RL-like | ReVal, reference cached |" in md and "| 50MB | 0.03 |" in md
+    assert "| RL-like | ReVal, LoRA r8, reference cached |" in md
+    assert "| 50MB, LoRA r8 adapters | 0.0005 |" in md
+    assert "50MB, LoRA rank 8: the adapters are 1.73% of the full bytes" in md
     assert f"{tests['collected']} collected (`--collect-only`, not run)" in md
     assert "Targets:" not in md  # a dry run is not judged
 
@@ -196,11 +207,14 @@ def test_junit_figures_read_each_outcome_of_a_real_pytest_run(tmp_path, check):
     assert check.junit_figures(tmp_path / "missing.xml")(tmp_path / "log") is None
 
 
-def _gpu_report(send_7b: float, mfu: float, hf_ratio: float) -> dict:
+def _gpu_report(
+    send_7b: float, mfu: float, hf_ratio: float, lora_bytes: float = 0.0239,
+    lora_speedup: float = 25.0,
+) -> dict:  # fmt: skip
     """A GPU run's report, its figures shaped as the benchmarks write them."""
 
     def sync_result(model: str, send: float, floor: float) -> dict:
-        return {"model": model, "params": 1, "nbytes": 3_000_000_000, "buckets": 48,
+        return {"model": model, "lora": 0, "params": 1, "nbytes": 3_000_000_000, "buckets": 48,
                 "largest_bucket": 1, "median_s": {"send": send, "floor": floor, "gather": floor / 2,
                                                   "send_returns": send / 2},
                 "ratio_send_to_floor": send / floor,
@@ -216,9 +230,13 @@ def _gpu_report(send_7b: float, mfu: float, hf_ratio: float) -> dict:
                "ratio_vs_hf": {"equal": 1.0, "RL-like": hf_ratio},
                "args": {"shape": "1.5b", "scale": 1, "attention": "varlen",
                         "checkpointing": "auto", "reps": 1, "peak_tflops": 989.0}}  # fmt: skip
+    adapters = {**sync_result("qwen2.5-1.5b", 0.12 / lora_speedup, 0.004), "lora": 32,
+                "nbytes": int(3_000_000_000 * lora_bytes)}  # fmt: skip
     sync = {"mode": "gpu", "reps": 3, "bucket_mb": 64.0,
-            "results": [sync_result("qwen2.5-1.5b", 0.12, 0.1),
-                        sync_result("qwen2.5-7b", send_7b, send_7b / 1.2)]}  # fmt: skip
+            "results": [sync_result("qwen2.5-1.5b", 0.12, 0.1), adapters,
+                        sync_result("qwen2.5-7b", send_7b, send_7b / 1.2)],
+            "lora_vs_full": {"qwen2.5-1.5b": {"rank": 32, "bytes_ratio": lora_bytes,
+                                              "speedup": lora_speedup}}}  # fmt: skip
     tests = {"passed": 4, "failed": 1, "errors": 0, "skipped": 1,
              "cases": [{"id": "tests/gpu/test_a.py::test_a", "outcome": "failed", "s": 3.0,
                         "message": "assert 1 | 2\nmore"}]}  # fmt: skip
@@ -251,6 +269,15 @@ def test_the_tables_judge_a_gpu_run_against_the_targets(tables):
     md = tables.render(_gpu_report(send_7b=0.4, mfu=0.39, hf_ratio=1.3))
     assert "and <= 0.5 s: met (1.20x, 0.400 s)" in md
     assert "useful MFU >= 40%: **not met** (39.0%)" in md and "HF step: met (1.30x)" in md
+    # LoRA (issue 41): the adapters' row, judged on bytes and speed against the full publish
+    assert "| qwen2.5-1.5b, LoRA r32 adapters | 0.0717 |" in md
+    assert ("- qwen2.5-1.5b, LoRA rank 32: adapters under 2% of the full bytes and their send "
+            ">= 20x faster: **not met** (2.39%, 25.0x)") in md  # fmt: skip
+    assert md.count("- qwen2.5-1.5b: send <= 1.5x the floor") == 1  # (the full row's alone)
+    md = tables.render(_gpu_report(send_7b=0.4, mfu=0.5, hf_ratio=1.3, lora_bytes=0.012))
+    assert "faster: met (1.20%, 25.0x)" in md
+    md = tables.render(_gpu_report(send_7b=0.4, mfu=0.5, hf_ratio=1.3, lora_speedup=12.0))
+    assert "faster: **not met** (2.39%, 12.0x)" in md
 
 
 def test_write_replaces_only_the_marked_section(tables):
