@@ -81,11 +81,14 @@ def _rank(rank: int, world: int, port: int, algo: str, out: str) -> None:
         if rank == 1 and algo != "grpo":
             # Uneven stale counts (rank 1's share comes with cached reference quantities, rank
             # 0's does not): the reference's forwards must stay in step across the ranks.
-            from learner.sequence import collate, policy_stats
+            from learner.sequence import make_batch, policy_stats, use_varlen_attention
 
             plain = load_policy(ModelConfig(device="cpu"), seed=0).model
+            if learner.packed:  # (computed in the layout the learner's own reference uses:
+                use_varlen_attention(plain)  # another layout rounds them differently)
+            layout = make_batch(shares[1], 0, 1, learner.packed, learner.share_prompts)
             with torch.no_grad():
-                stats = policy_stats(plain, collate(shares[1], 0, 1))
+                stats = policy_stats(plain, layout)
             for t, slp, v1 in zip(shares[1], stats.slp.tolist(), stats.v1.tolist(), strict=True):
                 t.ref_logprob_sum, t.ref_value, t.ref_version = slp, v1, 0
         res = learner.update(shares[rank])
