@@ -484,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         help="--gpu: also the ReVal update with rank-RANK adapters (all linear)",
     )
     args = ap.parse_args(argv)
+    if args.compile and args.lora:  # (the LoRA policy is its own reference, run without
+        # gradients: its compiled layers recompile past dynamo's limit and fall back, unevenly)
+        ap.error("--compile and --lora together are not measured fairly: give one of them")
     if args.gpu:
         if args.scale == 16 and args.device == "cuda":
             args.scale = 1  # full lengths on a GPU

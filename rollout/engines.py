@@ -291,8 +291,10 @@ class HFEngine:
 
     def _prefill(self, rows: list[list[int]]) -> tuple[object, Tensor, Tensor, Tensor]:
         """The prompts' forward: each distinct prompt once (a round asks ``n`` answers of each)
-        and its cache copied to its rows where the model's cache is a ``DynamicCache``; every
-        row where it is not (a model with its own cache: the distinct forward is then wasted).
+        and its cache copied to its rows where the model's cache is a ``DynamicCache``
+        (``reorder_cache``: every layer's state, a linear-attention layer's conv and recurrent
+        states too; ``batch_select_indices`` has no such layer); every row where it is not (a
+        model with its own cache: the distinct forward is then wasted).
         -> (cache, last logits [B, V], attention mask [B, W], positions [B, W])."""
         from transformers.cache_utils import DynamicCache
 
@@ -302,7 +304,7 @@ class HFEngine:
             cache, logits, attn, pos = self._forward_prompts([list(r) for r in first])
             if isinstance(cache, DynamicCache):
                 index = torch.tensor(of_row, dtype=torch.long, device=self.device)
-                cache.batch_select_indices(index)
+                cache.reorder_cache(index)
                 return cache, logits[index], attn[index], pos[index]
         return self._forward_prompts(rows)
 

@@ -67,6 +67,20 @@ def test_learner_pads_right_and_masks_by_length_when_pad_is_eos() -> None:
     assert b.attention_mask[1].tolist() == [0, 0, 1, 1, 0, 0]
 
 
+def test_collate_refuses_log_probs_that_do_not_match_their_response() -> None:
+    """collate scatters every row's log-probs at once: a record with one too few beside one with
+    one too many must not pass as two right ones, each shifted (validate() refuses such records
+    at insert; collate is also handed records built by hand)."""
+    ts = [
+        Trajectory(prompt_ids=np.array([5]), response_ids=np.array([8, 9]),
+                   logprobs=-np.ones(1), reward_raw=0.0, reward=0.0, traj_id="a"),
+        Trajectory(prompt_ids=np.array([5]), response_ids=np.array([8, 9]),
+                   logprobs=-np.ones(3), reward_raw=0.0, reward=0.0, traj_id="b"),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="trajectory 0: 1 log-probs for 2 response tokens"):
+        collate(ts, 0, 1)
+
+
 def test_bpe_checkpoint_eos_is_not_pad(tmp_path: Path) -> None:
     tok = build_bpe_tokenizer(corpus(generate(5, seed=0)), tmp_path, vocab_size=300)
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
