@@ -227,8 +227,8 @@ def build(
         model = lora.wrap(model, cfg.model.lora)
     else:
         reference = copy.deepcopy(model).to(dtype).requires_grad_(False).eval()
-    if args.compile:
-        for layer in lora.base_model(model).model.layers if rank_lora else model.model.layers:
+    if args.compile:  # (never with LoRA: main refuses --compile with --lora)
+        for layer in model.model.layers:
             layer.compile()
     mesh = init_device_mesh(device.type, (1,))
     shard(model, mesh, dtype)

@@ -452,7 +452,6 @@ def _gpu_one(
                          device="meta")) for n, t in published],
         bucket_bytes,
     )  # fmt: skip
-    del published
     cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory(prefix="sync-bench-", dir=args.weights_dir) as tmp:
         # A gloo hub nobody joined: ``start`` finds no member, so the sync skips the wire.
@@ -504,7 +503,7 @@ def _gpu_one(
     out = {
         "model": name,
         "lora": rank_lora,
-        "params": sum(t.numel() for _, t in published_tensors(model, lora_publish=publish)),
+        "params": sum(t.numel() for _, t in published),
         "nbytes": nbytes,
         "buckets": len(plan),
         "largest_bucket": max(p.nbytes for p in plan),
@@ -515,7 +514,7 @@ def _gpu_one(
         "first_send_peak_extra_bytes": first_send_peak,
         "device_pool_bytes": sum(int(b.numel()) for b in hub.pool._free),
     }
-    del model, base, sender, hub, pool
+    del model, base, published, sender, hub, pool
     gc.collect()  # (FSDP's hooks hold the module in cycles: free it before the next model)
     if cuda:
         torch.cuda.empty_cache()
