@@ -129,6 +129,10 @@ class Learner:
             lr=self.learner_cfg.lr,
             betas=self.learner_cfg.adam_betas,
             weight_decay=self.learner_cfg.weight_decay,
+            # one kernel for every parameter (torchtitan's default too): on the CPU, where torch
+            # would loop over the tensors one op at a time, 0.3x the step's time at the demo's
+            # 28 tensors (the same update up to rounding)
+            fused=True,
         )
 
     def _layout(self, trajectories: Sequence[Trajectory]) -> tuple[bool, list[list[int]]]:
