@@ -115,9 +115,9 @@ def encode_many(trajs: Sequence[Trajectory]) -> list[bytes]:
     return [pack(row(t)) for t in trajs]
 
 
-def validate_many(trajs: Sequence[Trajectory]) -> None:
-    """``validate`` for a batch, with the array checks done once over the concatenated batch;
-    raises RecordError("record i ('id'): ...") for the first bad one."""
+def validate_many(trajs: Sequence[Trajectory], limits: RecordLimits = NO_LIMITS) -> None:
+    """``validate`` (against ``limits`` too) for a batch, with the array checks done once over
+    the concatenated batch; raises RecordError("record i ('id'): ...") for the first bad one."""
     if not trajs:
         return
     try:
@@ -128,13 +128,18 @@ def validate_many(trajs: Sequence[Trajectory]) -> None:
         ids = np.concatenate([a for t in trajs for a in (t.prompt_ids, t.response_ids)])
         lps = np.concatenate([t.logprobs for t in trajs])
         ok = ids.min() >= 0 and bool(lps.min() > -np.inf) and bool(lps.max() <= 1e-4)
+        if ok and limits is not NO_LIMITS:
+            rewards = [[t.reward for t in trajs], [t.reward_raw for t in trajs]]
+            lengths = np.fromiter((t.prompt_ids.size + t.response_ids.size for t in trajs),
+                                  np.int64, len(trajs))  # fmt: skip
+            ok = limits.batch_ok(ids, ids[:0], rewards, lengths)
     except (RecordError, ValueError, TypeError, AttributeError):
         ok = False
     if ok:
         return
     for i, t in enumerate(trajs):  # slow path: find the culprit
         try:
-            t.validate()
+            t.validate(limits)
         except RecordError as err:
             raise RecordError(f"record {i} ({t.traj_id!r}): {err}") from None
 

@@ -28,6 +28,7 @@ from buffer.base import (
     priority_of,
 )
 from buffer.metrics import BufferMetrics
+from buffer.record_codec import validate_many
 from buffer.records import NO_LIMITS, RecordError, RecordLimits, Trajectory
 from buffer.sumtree import SumTree
 
@@ -87,15 +88,14 @@ class MemoryRing:
     # -- producers ------------------------------------------------------------------------------
 
     def insert(self, trajectories: Sequence[Trajectory]) -> int:
-        for i, t in enumerate(trajectories):
-            try:
-                t.validate(self.limits)
-            except RecordError as err:
-                with self._cond:
-                    self._rejected += 1
-                if self.metrics is not None:
-                    self.metrics.rejected.inc()
-                raise RecordError(f"record {i} ({t.traj_id!r}): {err}; batch not written") from None
+        try:
+            validate_many(trajectories, self.limits)
+        except RecordError as err:
+            with self._cond:
+                self._rejected += 1
+            if self.metrics is not None:
+                self.metrics.rejected.inc()
+            raise RecordError(f"{err}; batch not written") from None
         evicted = unused = 0
         with self._cond:
             first = self._head

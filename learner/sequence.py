@@ -491,16 +491,24 @@ def _head_chunk(h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor) -> Te
     return _logp_lse(F.linear(h, weight, bias), y)
 
 
+RECOMPUTE_LOGITS_ABOVE = 1 << 22
+"""A chunk's logits are recomputed in the backward pass when they hold more than this many
+values (16 MB in fp32: with Qwen's vocabulary, any chunk of 28 positions or more); smaller ones
+(the tiny model's 99-word vocabulary) are kept, which costs less than recomputing them."""
+
+
 def chunked_logp_lse(
     h: Tensor, weight: Tensor, bias: Tensor | None, y: Tensor, chunk: int = LOGPROB_CHUNK
 ) -> Tensor:
     """``_logp_lse(h @ weight.T + bias, y)`` [B, T, 2] over ``chunk`` positions at a time: the
     [B, T, V] logits are never whole, and with gradients each chunk's are recomputed in the
-    backward pass (non-reentrant activation checkpointing) instead of kept."""
+    backward pass (non-reentrant activation checkpointing) instead of kept, unless they are
+    small (``RECOMPUTE_LOGITS_ABOVE``)."""
     parts = []
     for s in range(0, h.shape[1], chunk):
         args = (h[:, s : s + chunk], weight, bias, y[:, s : s + chunk])
-        if torch.is_grad_enabled():
+        big = args[0].shape[0] * args[0].shape[1] * weight.shape[0] > RECOMPUTE_LOGITS_ABOVE
+        if torch.is_grad_enabled() and big:
             parts.append(checkpoint(_head_chunk, *args, use_reentrant=False))
         else:
             parts.append(_head_chunk(*args))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from learner.batches import micro_batches
 from learner.parallel import backend_for, mixed_precision, rank_device
+from learner import sequence as seq
 from learner.sequence import chunked_logp_lse, sequence_stats
 from reval.config import AlgoConfig, LearnerConfig, ModelConfig
 from reval.nccl import NCCL_ENV, apply_nccl_env
@@ -120,7 +121,11 @@ def test_the_learner_step_is_the_same_under_a_token_budget():
 # -- chunked log-probs ---------------------------------------------------------------------
 
 
-def test_chunked_logprobs_equal_the_plain_ones_with_equal_gradients():
+@pytest.mark.parametrize("recompute_above", [0, seq.RECOMPUTE_LOGITS_ABOVE])
+def test_chunked_logprobs_equal_the_plain_ones_with_equal_gradients(monkeypatch, recompute_above):
+    """Recomputed in the backward pass (every chunk above 0 values) or kept (the default at this
+    size): the same values and gradients."""
+    monkeypatch.setattr(seq, "RECOMPUTE_LOGITS_ABOVE", recompute_above)
     gen = torch.Generator().manual_seed(0)
     b, t, h, v = 3, 37, 16, 101
     hid = torch.randn(b, t, h, generator=gen, requires_grad=True)
@@ -189,6 +194,20 @@ def test_chunked_logprobs_take_a_fraction_of_the_peak_memory():
     measurement's start (``VmHWM`` after ``clear_refs``), in a process of its own."""
     plain, chunked = _peak_kb("plain"), _peak_kb("chunked")
     assert chunked < 0.5 * plain, (chunked, plain)
+
+
+@pytest.mark.parametrize(("recompute_above", "calls"), [(0, 10), (10**9, 5)])
+def test_only_large_logits_are_recomputed_in_the_backward(monkeypatch, recompute_above, calls):
+    """A chunk's head runs again in the backward pass only above ``RECOMPUTE_LOGITS_ABOVE``
+    values (5 chunks here: 5 calls forward, 5 more if recomputed)."""
+    monkeypatch.setattr(seq, "RECOMPUTE_LOGITS_ABOVE", recompute_above)
+    real, seen = seq._head_chunk, []
+    monkeypatch.setattr(seq, "_head_chunk", lambda *a: seen.append(1) or real(*a))
+    hid = torch.randn(2, 37, 8, requires_grad=True)
+    w = torch.randn(50, 8, requires_grad=True)
+    chunked_logp_lse(hid, w, None, torch.randint(0, 50, (2, 37)), chunk=8)[..., 0].sum().backward()
+    assert len(seen) == calls
+    assert hid.grad is not None and w.grad is not None
 
 
 # -- precision and checkpointing -------------------------------------------------------------
