@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from learner import sequence as seq
 from learner.batches import micro_batches
 from learner.parallel import backend_for, mixed_precision, rank_device
-from learner import sequence as seq
 from learner.sequence import chunked_logp_lse, sequence_stats
 from reval.config import AlgoConfig, LearnerConfig, ModelConfig
 from reval.nccl import NCCL_ENV, apply_nccl_env
