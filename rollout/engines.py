@@ -224,7 +224,7 @@ def sample_tokens(probs: Tensor, gen: torch.Generator) -> Tensor:
     a row (a fifth of the HF engine's generation time at the demo's 512 x 99); a token of
     probability 0 (``top_p``'s cut) is never drawn."""
     cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
+    total = cdf[:, -1:].contiguous()  # (searchsorted warns of a strided one)
     u = torch.rand(total.shape, generator=gen, device=probs.device, dtype=cdf.dtype) * total
     choice = torch.searchsorted(cdf, u, right=True)
     # u rounded up to the total would pick past the end: the last token of probability > 0
