@@ -212,7 +212,7 @@ def share_prompts(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) 
     prompt_at = np.zeros(len(trajectories), dtype=np.int64)
     at = 0
     for b, t in enumerate(trajectories):
-        key = np.asarray(t.prompt_ids, dtype=np.int64).tobytes()
+        key = t.prompt_ids.tobytes()  # (records hold their arrays in one dtype)
         s = starts.get(key)
         if s is None:
             s = starts[key] = at
@@ -228,8 +228,7 @@ def share_prompts(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) 
     seg_row = np.concatenate([np.array(list(starts.values()), dtype=np.int64), resp_at])
     seg_s = np.concatenate([np.zeros(len(starts), dtype=np.int64), prompt_at])
     seg_p = np.concatenate([np.zeros(len(starts), dtype=np.int64), plens])
-    plen_of = {v: len(k) // 8 for k, v in starts.items()}
-    seg_n = np.concatenate([np.array([plen_of[v] for v in starts.values()], dtype=np.int64), m])
+    seg_n = np.concatenate([np.array([a.size for a in ids[: len(starts)]], dtype=np.int64), m])
     seg_pos0 = np.concatenate([np.zeros(len(starts), dtype=np.int64), plens])
     seg_of = np.repeat(np.arange(seg_row.size), seg_n)  # [L] each position's segment
     j = np.arange(seg_of.size) - seg_row[seg_of]  # [L] its place in the segment
