@@ -218,17 +218,23 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def sample_tokens(probs: Tensor, gen: torch.Generator) -> Tensor:
-    """One token of each row of ``probs`` [B, V] (rows need not sum to 1) -> [B, 1]: the inverse
-    of each row's cumulative sum at one uniform draw. ``torch.multinomial`` draws V exponentials
-    a row (a fifth of the HF engine's generation time at the demo's 512 x 99); a token of
-    probability 0 (``top_p``'s cut) is never drawn."""
+def sample_tokens(probs: Tensor, uniform: Tensor) -> Tensor:
+    """One token of each row of ``probs`` [B, V] (rows need not sum to 1) at its uniform draw
+    ``uniform`` [B, 1] in [0, 1) -> [B, 1]: the inverse of the row's cumulative sum.
+    ``torch.multinomial`` draws V exponentials a row (a fifth of the HF engine's generation time
+    at the demo's 512 x 99); a token of probability 0 (``top_p``'s cut) is never drawn."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:].contiguous()  # (searchsorted warns of a strided one)
-    u = torch.rand(total.shape, generator=gen, device=probs.device, dtype=cdf.dtype) * total
-    choice = torch.searchsorted(cdf, u, right=True)
-    # u rounded up to the total would pick past the end: the last token of probability > 0
+    choice = torch.searchsorted(cdf, uniform.to(cdf.dtype) * total, right=True)
+    # a draw rounded up to the total would pick past the end: the last token of probability > 0
     return torch.minimum(choice, torch.searchsorted(cdf, total))
+
+
+COMPACT_AT = 0.25
+"""The HF engine drops finished answers from its batch (their cache rows too) once this share of
+the batch has finished: the demo's answers end after 2 or 3 of their 4 tokens, and decoding them
+on cost a third of its generation. Each answer's uniform draws are its own whatever the batch
+(drawn for every answer at each step), so dropping changes no answer. 1.0: never drop."""
 
 
 class HFEngine:
@@ -340,28 +346,42 @@ class HFEngine:
     def _sample(
         self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator
     ) -> list[Sample]:
+        from transformers.cache_utils import DynamicCache
+
         bsz = len(rows)
         cache, logits, attn, pos = self._prefill(rows)
         next_pos = pos[:, -1:] + 1
         tokens = torch.full((bsz, params.max_new_tokens), self.pad_id, dtype=torch.long)
         logps = torch.zeros((bsz, params.max_new_tokens), dtype=torch.float32)
         lengths = torch.zeros(bsz, dtype=torch.long)
-        done = torch.zeros(bsz, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros(bsz, dtype=torch.bool)
+        at = torch.arange(bsz)  # the answer of each row of the batch being decoded
+        done = torch.zeros(bsz, dtype=torch.bool, device=self.device)  # of those rows
         stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
         for step in range(params.max_new_tokens):
+            uniform = torch.rand((bsz, 1), generator=gen, device=gen.device)
             scaled = top_p_filter(logits.float() / params.temperature, params.top_p)
             logp_all = scaled.log_softmax(-1)
-            choice = sample_tokens(logp_all.exp(), gen)  # [bsz, 1]
+            draws = uniform if at.numel() == bsz else uniform[at.to(uniform.device)]
+            choice = sample_tokens(logp_all.exp(), draws.to(self.device))  # [rows, 1]
             chosen_logp = logp_all.gather(-1, choice)[:, 0]
             choice = choice[:, 0]
             live = ~done
-            tokens[:, step] = torch.where(live, choice, self.pad_id).cpu()
-            logps[:, step] = torch.where(live, chosen_logp, 0.0).cpu()
-            lengths += live.long().cpu()
+            tokens[at, step] = torch.where(live, choice, self.pad_id).cpu()
+            logps[at, step] = torch.where(live, chosen_logp, 0.0).cpu()
+            lengths[at] += live.long().cpu()
             done = done | torch.isin(choice, stops)
+            stopped[at] = done.cpu()
             if bool(done.all()) or step == params.max_new_tokens - 1:
                 break
-            attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=self.device)], 1)
+            if isinstance(cache, DynamicCache) and int(done.sum()) >= COMPACT_AT * done.numel():
+                keep = (~done).nonzero()[:, 0]  # the rows still decoding, their cache with them
+                cache.reorder_cache(keep)
+                attn, next_pos, choice = attn[keep], next_pos[keep], choice[keep]
+                at, done = at[keep.cpu()], done[keep]
+            attn = torch.cat(
+                [attn, torch.ones((attn.shape[0], 1), dtype=attn.dtype, device=self.device)], 1
+            )
             out = self.model(
                 input_ids=choice[:, None],
                 attention_mask=attn,
@@ -375,7 +395,7 @@ class HFEngine:
         # (as numpy and lists first: indexing a tensor row by row costs more than the answers)
         token_rows = tokens.numpy().astype(np.int32)
         logp_rows = logps.numpy()
-        ends = zip(lengths.tolist(), done.cpu().tolist(), strict=True)
+        ends = zip(lengths.tolist(), stopped.tolist(), strict=True)
         return [
             Sample(
                 token_ids=token_rows[i, :n].copy(),

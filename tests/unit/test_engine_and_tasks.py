@@ -77,7 +77,7 @@ def test_each_distinct_prompt_is_prefilled_once_with_the_same_answers(engine, po
     try:
         shared = engine.generate(prompts, params, seed=3)
         assert seen[0] == (len(PROMPTS), max(map(len, PROMPTS)))  # (4 prompts, 3 distinct)
-        assert all(shape[0] == 4 * 4 for shape in seen[1:])  # decoding: every row
+        assert all(shape[0] <= 4 * 4 for shape in seen[1:])  # decoding: the running answers
         monkeypatch.setattr(engine, "_prefill", engine._forward_prompts)
         seen.clear()
         each = engine.generate(prompts, params, seed=3)
