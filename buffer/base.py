@@ -12,7 +12,7 @@ partial Fisher-Yates shuffle (O(B), not O(M)); prioritized sampling walks a sum 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -241,7 +241,7 @@ class FreshRun:
 
 
 def pick_fresh(
-    runs: Sequence[FreshRun], batch_size: int, whole_groups: bool, oldest_first: bool = False
+    runs: Iterable[FreshRun], batch_size: int, whole_groups: bool, oldest_first: bool = False
 ) -> list[int] | None:
     """The positions ``take`` hands out: ``runs`` in the order ``take`` reads them (newest
     insert first, or oldest first with ``oldest_first``); within an insert the newest first (or

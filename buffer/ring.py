@@ -11,7 +11,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -319,15 +319,21 @@ class MemoryRing:
             self.metrics.size.set(size)
         return SampledBatch(out, weights, staleness, skipped, waited)
 
-    def _fresh_runs(self, oldest_first: bool = False) -> list[FreshRun]:
-        """``take``'s candidates, newest insert first (or oldest). Caller holds the lock."""
+    def _fresh_runs(self, oldest_first: bool = False) -> Iterator[FreshRun]:
+        """``take``'s candidates, newest insert first (or oldest), made as ``pick_fresh`` reads
+        them (it stops at a full batch); an insert taken whole is passed over (it has nothing to
+        give: the demo's take read four such of its five before the fresh one). Caller holds
+        the lock."""
         floor = self.sampling.floor(self._version)
-        runs = []
+        cap = self._capacity
         for first, end in self._inserts if oldest_first else reversed(self._inserts):
             lo = max(first, self._tail)
             if lo >= end:
                 continue
-            cap = self._capacity
+            a, b = lo % cap, (end - 1) % cap + 1  # its slots: [a, b), or [a, cap) + [0, b)
+            taken = self._taken[a:b] if a < b else self._taken[a:] + self._taken[:b]
+            if False not in taken:
+                continue
             held = [self._slots[p % cap] for p in range(lo, end)]
             usable = [
                 t is not None
@@ -336,8 +342,7 @@ class MemoryRing:
                 for p, t in zip(range(lo, end), held, strict=True)
             ]
             gids = [t.group_id if t is not None else "" for t in held]
-            runs.append(FreshRun(range(lo, end), gids, usable, truncated=first < self._tail))
-        return runs
+            yield FreshRun(range(lo, end), gids, usable, truncated=first < self._tail)
 
     def update_priorities(self, traj_ids: Sequence[str], deltas: Sequence[float]) -> int:
         if len(traj_ids) != len(deltas):

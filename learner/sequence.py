@@ -98,60 +98,86 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Bat
     count) or, for a multi-turn episode, its ``action_mask`` (each of the model's turns ends with
     its own EOS; the environment's tokens between them never count: they leave the log-prob
     sums, V(s1) aside, and so the value terms and GRPO's token mean)."""
-    if not trajectories:
-        raise ValueError("cannot collate an empty batch")
-    bsz = len(trajectories)
+    out = _response_fields(trajectories, pad_id, eos_id)
+    bsz, tlen = len(trajectories), out.response_len
     plens = np.fromiter((t.prompt_ids.size for t in trajectories), np.int64, bsz)
-    lens = np.fromiter((t.response_ids.size for t in trajectories), np.int64, bsz)
-    plen, tlen = int(plens.max()), int(lens.max())
-    logp_lens = np.fromiter((t.logprobs.size for t in trajectories), np.int64, bsz)
-    if (logp_lens != lens).any():  # (one scatter for all rows would shift them between rows)
-        i = int(np.flatnonzero(logp_lens != lens)[0])
-        raise ValueError(f"trajectory {i}: {logp_lens[i]} log-probs for {lens[i]} response tokens")
+    plen = int(plens.max())
     ids = np.full((bsz, plen + tlen), pad_id, dtype=np.int64)
     attn = np.zeros((bsz, plen + tlen), dtype=np.int64)
-    rlogp = np.zeros((bsz, tlen), dtype=np.float32)
-    actions = np.ones((bsz, tlen), dtype=np.float32)
-    episode = np.zeros(bsz, dtype=bool)
-    # every prompt right-aligned to column plen, every response from it (one scatter each)
+    # every prompt right-aligned to column plen (one scatter), the responses from it
     p_row, p_col = _spans(plens)
     p_col += plen - plens[p_row]
     ids[p_row, p_col] = np.concatenate([t.prompt_ids for t in trajectories])
     attn[p_row, p_col] = 1
-    r_row, r_col = _spans(lens)
-    ids[r_row, plen + r_col] = np.concatenate([t.response_ids for t in trajectories])
-    attn[r_row, plen + r_col] = 1
+    ids[:, plen:] = out.responses.numpy()
+    attn[:, plen:] = out.lengths[:, None] > np.arange(tlen)[None, :]
+    input_ids = torch.from_numpy(ids)
+    attention_mask = torch.from_numpy(attn)
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        responses=input_ids[:, plen:],
+        mask=out.mask,
+        rollout_logp=out.rollout_logp,
+        reward=out.reward,
+    )
+
+
+@dataclass
+class _Responses:
+    """The [B, T] fields of a Batch (``collate``'s; ``pack`` and ``share_prompts`` lay out the
+    prompts their own way)."""
+
+    responses: Tensor
+    mask: Tensor
+    rollout_logp: Tensor
+    reward: Tensor
+    lengths: np.ndarray  # [B] response lengths
+
+    @property
+    def response_len(self) -> int:
+        return int(self.responses.shape[1])
+
+
+def _response_fields(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> _Responses:
+    """The responses padded to the longest, their mask (``collate``'s rule), behaviour log-probs
+    and rewards."""
+    if not trajectories:
+        raise ValueError("cannot collate an empty batch")
+    bsz = len(trajectories)
+    lens = np.fromiter((t.response_ids.size for t in trajectories), np.int64, bsz)
+    tlen = int(lens.max())
+    logp_lens = np.fromiter((t.logprobs.size for t in trajectories), np.int64, bsz)
+    if (logp_lens != lens).any():  # (one scatter for all rows would shift them between rows)
+        i = int(np.flatnonzero(logp_lens != lens)[0])
+        raise ValueError(f"trajectory {i}: {logp_lens[i]} log-probs for {lens[i]} response tokens")
+    ids = np.full((bsz, tlen), pad_id, dtype=np.int64)
+    rlogp = np.zeros((bsz, tlen), dtype=np.float32)
+    actions = np.ones((bsz, tlen), dtype=np.float32)
+    episode = np.zeros(bsz, dtype=bool)
+    r_row, r_col = _spans(lens)  # every response from column 0 (one scatter)
+    ids[r_row, r_col] = np.concatenate([t.response_ids for t in trajectories])
     rlogp[r_row, r_col] = np.concatenate([t.logprobs for t in trajectories])
     for i, t in enumerate(trajectories):
         if t.action_mask.size:
             actions[i, : t.response_ids.size] = t.action_mask
             episode[i] = True
-    input_ids = torch.from_numpy(ids)
-    attention_mask = torch.from_numpy(attn)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    responses = input_ids[:, plen:]
+    responses = torch.from_numpy(ids)
     in_len = (torch.arange(tlen)[None, :] < torch.from_numpy(lens)[:, None]).to(torch.float32)
     rule = eos_mask(responses, eos_id)
     if episode.any():
         rule[torch.from_numpy(episode)] = 1.0
     mask = rule * in_len * torch.from_numpy(actions)
     reward = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    return Batch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        responses=responses,
-        mask=mask,
-        rollout_logp=torch.from_numpy(rlogp) * mask,
-        reward=reward,
-    )
+    return _Responses(responses, mask, torch.from_numpy(rlogp) * mask, reward, lens)
 
 
 def pack(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
     """B trajectories as one packed row (prompt then response, each after the other, no
     padding), ``position_ids`` from 0 in each, no attention mask; the [B, T] fields are
     ``collate``'s. A sequence with an empty response still keeps its last prompt token (V(s1))."""
-    padded = collate(trajectories, pad_id, eos_id)
+    padded = _response_fields(trajectories, pad_id, eos_id)
     tlen = padded.response_len
     ids, pos, keep, dest = [], [], [], []
     start = 0
@@ -201,7 +227,7 @@ def share_prompts(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) 
     prompt's positions and its own: each sequence computes what it does alone, and the 16
     answers of one prompt compute its prompt once. The [B, T] fields are ``collate``'s; ``keep``
     and ``dest`` as ``pack``'s (V(s1) is the prompt's last position, shared)."""
-    padded = collate(trajectories, pad_id, eos_id)
+    padded = _response_fields(trajectories, pad_id, eos_id)
     tlen = padded.response_len
     plens = np.array([t.prompt_ids.size for t in trajectories], dtype=np.int64)
     rlens = np.array([t.response_ids.size for t in trajectories], dtype=np.int64)
