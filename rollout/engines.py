@@ -362,8 +362,8 @@ class HFEngine:
             uniform = torch.rand((bsz, 1), generator=gen, device=gen.device)
             scaled = top_p_filter(logits.float() / params.temperature, params.top_p)
             logp_all = scaled.log_softmax(-1)
-            draws = uniform if at.numel() == bsz else uniform[at.to(uniform.device)]
-            choice = sample_tokens(logp_all.exp(), draws.to(self.device))  # [rows, 1]
+            draws = uniform[at.to(uniform.device)].to(self.device)  # the rows' own answers'
+            choice = sample_tokens(logp_all.exp(), draws)  # [rows, 1]
             chosen_logp = logp_all.gather(-1, choice)[:, 0]
             choice = choice[:, 0]
             live = ~done
