@@ -84,7 +84,7 @@ class ReferencePolicy:
         the ranks, and ranks with fewer run repeats whose results they drop. ``max_tokens`` and
         ``dtype``: the learner's token budget per micro-batch and compute dtype; ``packed``: the
         learner's micro-batch layout (``learner.packing``; ``auto_pack``: per share,
-        ``batches.layout``); ``share``: each distinct prompt of a micro-batch computed once
+        ``batches.layout``); ``share``: each distinct prefix of a micro-batch computed once
         (``sequence.share_prompts``, the learner's ``share_prompts``)."""
         self.sync_chunks = sync_chunks
         self.policy = policy

@@ -52,8 +52,8 @@ class Batch:
     bounds: tuple[int, ...] | None = None
     """Packed: where each sequence starts in the row, then the row's length (``cu_seqlens``)."""
     kv_index: Tensor | None = None
-    """Shared prompts (``share_prompts``): [L, K] the row positions each position attends to
-    (its prompt's, then its own response's up to itself), padded with 0."""
+    """Shared prefixes (``share_prompts``): [L, K] the row positions each position attends to
+    (its path in the prefix tree, root first, itself last), padded with 0."""
     kv_valid: Tensor | None = None
     """Shared prompts: [L, K] which of ``kv_index`` are real (False on the padding)."""
 
@@ -208,9 +208,10 @@ def pack(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
 
 
 SHARED_MAX_KEYS = 64
-"""``share_prompts`` is used when no position attends to more than this many (prompt plus
-response so far): its attention gathers [heads, L, K, head_dim] keys and values, which costs
-nothing beside the layers at the demo's K = 7, and a lot at RL lengths (K in the thousands)."""
+"""``share_prompts`` is used when no position attends to more than this many (its prefix:
+prompt plus response so far): its attention gathers [heads, L, K, head_dim] keys and values,
+which costs nothing beside the layers at the demo's K = 7, and a lot at RL lengths (K in the
+thousands)."""
 
 
 def shared_keys(trajectories: Sequence[Trajectory]) -> int:
@@ -220,62 +221,67 @@ def shared_keys(trajectories: Sequence[Trajectory]) -> int:
 
 
 def share_prompts(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) -> Batch:
-    """B trajectories as one row in which each distinct prompt appears once: the distinct
-    prompts first, then each response but its last token (the log-probs need the hidden states
-    before each response token, never after the last), ``position_ids`` going on from the
-    prompt's. The attention (``_varlen_sdpa`` with ``kv_index``) takes a response's keys from its
-    prompt's positions and its own: each sequence computes what it does alone, and the 16
-    answers of one prompt compute its prompt once. The [B, T] fields are ``collate``'s; ``keep``
-    and ``dest`` as ``pack``'s (V(s1) is the prompt's last position, shared)."""
+    """B trajectories as one row in which each distinct prefix appears once: the sequences
+    (prompt, then the response but its last token: the log-probs need the hidden states before
+    each response token, never after the last) merged into a prefix tree, one position per node,
+    ``position_ids`` its depth. A position's hidden states depend on its prefix alone, so the
+    16 answers of one prompt compute the prompt once, and answers that start alike (the same
+    sum, the same first digit) compute that start once; prompts share their common start (a
+    chat template's) too. The attention (``_varlen_sdpa`` with ``kv_index``) takes a node's keys
+    from its path: each sequence computes what it does alone. The [B, T] fields are
+    ``collate``'s; ``keep`` and ``dest`` as ``pack``'s (V(s1) is the prompt's last node)."""
     padded = _response_fields(trajectories, pad_id, eos_id)
     tlen = padded.response_len
-    plens = np.array([t.prompt_ids.size for t in trajectories], dtype=np.int64)
-    rlens = np.array([t.response_ids.size for t in trajectories], dtype=np.int64)
+    bsz = len(trajectories)
+    plens = np.fromiter((t.prompt_ids.size for t in trajectories), np.int64, bsz)
+    rlens = padded.lengths
     if (plens < 1).any():
         raise ValueError("a trajectory needs at least one prompt token")
-    starts: dict[bytes, int] = {}
-    ids: list[np.ndarray] = []
-    prompt_at = np.zeros(len(trajectories), dtype=np.int64)
+    m = np.maximum(rlens - 1, 0)
+    lens = plens + m  # each sequence's positions
+    depth = int(lens.max())
+    tokens = np.zeros((bsz, depth), dtype=np.int64)
+    row, col = _spans(lens)
+    pieces = []
+    for t, n in zip(trajectories, m.tolist(), strict=True):
+        pieces += [t.prompt_ids, t.response_ids[:n]]
+    tokens[row, col] = np.concatenate(pieces)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 32):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    # The tree, a depth at a time: a node is a distinct (parent, token) among the sequences
+    # still going at that depth. node[b, j]: the node of sequence b's first j + 1 tokens.
+    node = np.zeros((bsz, depth), dtype=np.int64)
+    ids, paths = [], []  # per depth: the new nodes' tokens, and their paths [n, j + 1]
+    count = 0
+    for j in range(depth):
+        going = np.flatnonzero(lens > j)
+        parent = node[going, j - 1] if j else np.zeros(going.size, dtype=np.int64)
+        key = (parent << 32) | tokens[going, j]
+        uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        node[going, j] = count + inverse
+        ids.append(tokens[going[first], j])
+        new = count + np.arange(uniq.size)
+        if j:
+            paths.append(np.concatenate([node[going[first], :j], new[:, None]], axis=1))
+        else:
+            paths.append(new[:, None])
+        count += uniq.size
+    index = np.zeros((count, depth), dtype=np.int64)  # [L, K] each node's path, root first
     at = 0
-    for b, t in enumerate(trajectories):
-        key = t.prompt_ids.tobytes()  # (records hold their arrays in one dtype)
-        s = starts.get(key)
-        if s is None:
-            s = starts[key] = at
-            ids.append(t.prompt_ids)
-            at += t.prompt_ids.size
-        prompt_at[b] = s
-    prompt_tokens = at
-    m = np.maximum(rlens - 1, 0)  # each response's positions in the row
-    resp_at = prompt_tokens + np.concatenate([[0], np.cumsum(m)[:-1]]).astype(np.int64)
-    ids += [t.response_ids[:n] for t, n in zip(trajectories, m.tolist(), strict=True)]
-    # Segments: each distinct prompt (p = 0 prompt keys before it, n = its length), then each
-    # response (its prompt's p keys from s, then its own n positions from ``row``).
-    seg_row = np.concatenate([np.array(list(starts.values()), dtype=np.int64), resp_at])
-    seg_s = np.concatenate([np.zeros(len(starts), dtype=np.int64), prompt_at])
-    seg_p = np.concatenate([np.zeros(len(starts), dtype=np.int64), plens])
-    seg_n = np.concatenate([np.array([a.size for a in ids[: len(starts)]], dtype=np.int64), m])
-    seg_pos0 = np.concatenate([np.zeros(len(starts), dtype=np.int64), plens])
-    seg_of = np.repeat(np.arange(seg_row.size), seg_n)  # [L] each position's segment
-    j = np.arange(seg_of.size) - seg_row[seg_of]  # [L] its place in the segment
-    width = int((seg_p + seg_n).max())
-    c = np.arange(width)[None, :]
-    p_, s_, row_ = seg_p[seg_of][:, None], seg_s[seg_of][:, None], seg_row[seg_of][:, None]
-    own = c - p_  # [L, K] the column's place among the segment's own positions
-    in_prompt = c < p_
-    index = np.where(in_prompt, s_ + c, np.where(own <= j[:, None], row_ + own, 0))
-    valid = in_prompt | ((own >= 0) & (own <= j[:, None]))
-    index = np.where(valid, index, 0)
-    positions = seg_pos0[seg_of] + j
+    for j, p in enumerate(paths):
+        index[at : at + p.shape[0], : j + 1] = p
+        at += p.shape[0]
+    levels = np.repeat(np.arange(depth), [p.shape[0] for p in paths])  # each node's depth
+    valid = np.arange(depth)[None, :] <= levels[:, None]
     k = np.where(rlens > 0, rlens, 1) if tlen else np.zeros_like(rlens)
-    seq = np.repeat(np.arange(len(trajectories)), k)  # [N] each kept position's sequence
+    seq = np.repeat(np.arange(bsz), k)  # [N] each kept position's sequence
     t_ = np.arange(seq.size) - np.concatenate([[0], np.cumsum(k)[:-1]])[seq]
-    keep = np.where(t_ == 0, prompt_at[seq] + plens[seq] - 1, resp_at[seq] + t_ - 1)
+    keep = node[seq, plens[seq] - 1 + t_]
     dest = seq * tlen + t_
     return Batch(
         input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
         attention_mask=None,
-        position_ids=torch.from_numpy(positions.astype(np.int64))[None],
+        position_ids=torch.from_numpy(levels.astype(np.int64))[None],
         responses=padded.responses,
         mask=padded.mask,
         rollout_logp=padded.rollout_logp,
@@ -455,10 +461,10 @@ def use_varlen_attention(model: nn.Module) -> None:
 
 
 SHARE_PROMPTS = True
-"""Whether a CPU learner whose model runs ``VARLEN_SDPA`` computes each distinct prompt of a
-micro-batch once (``share_prompts``). False: ``pack`` or ``collate`` as ``learner.packing`` says
-(docs/demo.md, "What a round costs": the demo's rounds and its success on seeds 0-4 with it on
-and off)."""
+"""Whether a CPU learner whose model runs ``VARLEN_SDPA`` computes each distinct prefix of a
+micro-batch once (``share_prompts``: each prompt once, answers' common starts once). False:
+``pack`` or ``collate`` as ``learner.packing`` says (docs/demo.md, "What a round costs": the
+demo's rounds and its success on seeds 0-4 with it on and off)."""
 
 
 def can_share_prompts(model: nn.Module, device: torch.device) -> bool:

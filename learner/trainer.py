@@ -80,7 +80,7 @@ class Learner:
     """``learner.packing = "auto"``: each share packed only when its padded micro-batches
     would compute less than this share of useful tokens (``batches.AUTO_PACK_BELOW``)."""
     share_prompts: bool = field(init=False)
-    """Whether each distinct prompt of a micro-batch is computed once (``sequence.share_prompts``:
+    """Whether each distinct prefix of a micro-batch is computed once (``sequence.share_prompts``:
     a CPU learner whose model can pack)."""
     reference: ReferencePolicy = field(init=False)
     optimizer: torch.optim.Optimizer = field(init=False)

@@ -1,6 +1,7 @@
-"""Shared prompts (learner/sequence.py ``share_prompts``): each distinct prompt of a micro-batch
-once in the row, the same log-probs, V(s1) and gradients as the padded layout, no attention from
-one answer to another answer of the same prompt, and the learner's choice of it."""
+"""Shared prefixes (learner/sequence.py ``share_prompts``): each distinct prefix of a micro-batch
+(each prompt, the answers' common starts) once in the row, the same log-probs, V(s1) and
+gradients as the padded layout, no attention from one answer to another answer of the same
+prompt, and the learner's choice of it."""
 
 from __future__ import annotations
 
@@ -66,28 +67,61 @@ def groups(n_prompts: int, per: int, seed: int = 0) -> list[Trajectory]:
     return out
 
 
-def test_each_distinct_prompt_once():
-    ts = groups(3, 5)
+def prefixes(ts: list[Trajectory]) -> set[tuple[int, ...]]:
+    """Every distinct prefix of the sequences ``share_prompts`` lays out (each prompt, then its
+    response but the last token)."""
+    out = set()
+    for t in ts:
+        s = tuple(t.prompt_ids.tolist()) + tuple(t.response_ids[:-1].tolist())
+        out.update(s[: j + 1] for j in range(len(s)))
+    return out
+
+
+def alike(seed: int = 0) -> list[Trajectory]:
+    """Answers that repeat and start alike, to prompts that start alike (a template's start),
+    interleaved: the prefixes the tree merges."""
+    rng = np.random.default_rng(seed)
+    start = rng.integers(3, VOCAB, 3)
+    prompts = [np.concatenate([start[: int(rng.integers(0, 4))], rng.integers(3, VOCAB, n)])
+               for n in (1, 2, 2, 3)]  # fmt: skip
+    answers = [np.array([5, 6, EOS]), np.array([5, 7, EOS]), np.array([5, EOS]),
+               np.array([9]), np.array([], dtype=np.int64), np.array([5, 6, 8, EOS])]  # fmt: skip
+    out = []
+    for i in range(40):
+        r = answers[int(rng.integers(0, len(answers)))].copy()
+        out.append(Trajectory(prompt_ids=prompts[i % 4].copy(), response_ids=r,
+                              logprobs=-rng.random(r.size), reward_raw=float(i % 2),
+                              reward=float(i % 2) - 0.5, group_id=f"g{i % 4}",
+                              traj_id=f"t{i}"))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("make", [lambda: groups(3, 5), alike])
+def test_each_distinct_prefix_once(make):
+    ts = make()
     b = share_prompts(ts, PAD, EOS)
-    prompts = sum({t.prompt_ids.tobytes(): t.prompt_ids.size for t in ts}.values())
-    answers = sum(max(t.response_ids.size - 1, 0) for t in ts)
-    assert b.input_ids.shape == (1, prompts + answers)
     assert b.kv_index is not None and b.kv_valid is not None
-    assert b.kv_index.shape == (prompts + answers, b.kv_valid.shape[1])
+    assert b.input_ids.shape == (1, len(prefixes(ts)))
+    assert b.kv_index.shape == (b.input_ids.shape[1], b.kv_valid.shape[1])
     padded = collate(ts, PAD, EOS)
     for name in ("responses", "mask", "rollout_logp", "reward"):
         assert torch.equal(getattr(b, name), getattr(padded, name))
-    # every position attends to itself last among its valid keys, and only to earlier ones
+    # every position attends to itself last among its valid keys, and the keys of a position
+    # spell its prefix: each of the row's positions is one distinct prefix
     last = b.kv_valid.long().cumsum(1).argmax(1)
     me = torch.arange(b.input_ids.shape[1])
     assert torch.equal(b.kv_index[me, last], me)
-    assert bool((b.kv_index[b.kv_valid] <= me[:, None].expand_as(b.kv_index)[b.kv_valid]).all())
+    ids = b.input_ids[0]
+    spelled = {tuple(ids[b.kv_index[i][b.kv_valid[i]]].tolist()) for i in range(len(me))}
+    assert spelled == prefixes(ts)
+    assert torch.equal(b.position_ids[0], b.kv_valid.sum(1) - 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shared_stats_and_gradients_equal_padded(dtype):
+@pytest.mark.parametrize("make", [lambda: groups(4, 6, seed=1), lambda: alike(1)])
+def test_shared_stats_and_gradients_equal_padded(dtype, make):
     model = tiny()
-    ts = groups(4, 6, seed=1)
+    ts = make()
     padded, shared = collate(ts, PAD, EOS), share_prompts(ts, PAD, EOS)
     out = []
     for batch in (padded, shared):
