@@ -38,7 +38,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,20 +65,38 @@ WAIT_LOG_S = 15.0
 """While the driver waits (Ray placing the learner, actors starting, the learner's first
 update), a line this often says what for and for how long."""
 
+BEAT_S = 5.0
+"""While the driver waits for the learner's ranks and set-up (a start, or a restart after a rank
+died: the tiny model's pretraining, tens of seconds on a busy machine), it writes its heartbeat
+this often, well inside ``DRIVER_TIMEOUT_S`` (30 s): without it a restart that took longer
+read as no driver at all (``reval launch --status``, the REST API)."""
 
-def wait_logged(ray: Any, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
+
+def wait_logged(
+    ray: Any,
+    refs: list[Any],
+    what: str,
+    timeout_s: float,
+    beat: Callable[[], None] | None = None,
+) -> list[Any]:
     """``ray.get(refs)`` that says what it waits for every ``WAIT_LOG_S`` seconds until they
-    are ready; TimeoutError (naming ``what``) after ``timeout_s``."""
-    t0 = time.monotonic()
+    are ready; TimeoutError (naming ``what``) after ``timeout_s``. ``beat``: called every
+    ``BEAT_S`` while it waits (the driver's heartbeat, which its loop writes otherwise)."""
+    t0 = logged = time.monotonic()
     pending = list(refs)
     while pending:
+        if beat is not None:
+            beat()
         waited = time.monotonic() - t0
         if waited >= timeout_s:
             raise TimeoutError(f"{what}: not ready after {timeout_s:.0f} s")
-        _, pending = ray.wait(pending, num_returns=len(pending),
-                              timeout=min(WAIT_LOG_S, timeout_s - waited))  # fmt: skip
-        if pending:
-            log.info("waiting for %s (%.0f s so far)", what, time.monotonic() - t0)
+        step = min(WAIT_LOG_S, timeout_s - waited)
+        if beat is not None:
+            step = min(step, BEAT_S)
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=step)
+        if pending and time.monotonic() - logged >= WAIT_LOG_S:
+            logged = time.monotonic()
+            log.info("waiting for %s (%.0f s so far)", what, logged - t0)
     return list(ray.get(list(refs)))
 
 
@@ -208,7 +226,8 @@ class Launch:
                 at_step = max(map(checkpoint_step, names), default=0)
         prepared = self.ranks[0].prepare.remote(self.cfg_json, resume, at_step)
         ((ranks_json, resume),) = wait_logged(self.ray, [prepared], "the learner's set-up (the "
-                                              "tiny model's pretraining)", 900)  # fmt: skip
+                                              "tiny model's pretraining)", 900,
+                                              beat=self.beat)  # fmt: skip
         self.rank_refs = [a.run.remote(ranks_json, addr, port, resume) for a in self.ranks]
         if self.stop_requested:  # (a stop that came while they started went to the old ones)
             for a in self.ranks:
@@ -249,7 +268,7 @@ class Launch:
             try:
                 (addr, port, pid0), *pids = wait_logged(
                     self.ray, refs, f"the learner's {self.world} rank actor(s) to start",
-                    max(1.0, deadline - time.monotonic()),
+                    max(1.0, deadline - time.monotonic()), beat=self.beat,
                 )  # fmt: skip
             except (ActorDiedError, ActorUnavailableError) as err:
                 for a in self.ranks:
@@ -388,6 +407,12 @@ class Launch:
 
     # -- the loop -------------------------------------------------------------------------------
 
+    def beat(self) -> None:
+        """The driver's heartbeat with its status, which ``reval launch --status`` and the REST
+        API read (``DRIVER_TIMEOUT_S`` without one: no driver); a failed write is skipped."""
+        with contextlib.suppress(Exception):
+            self.control.beat_driver(self.status())
+
     def status(self) -> dict[str, Any]:
         return {
             "run": self.cfg.name,
@@ -496,15 +521,13 @@ class Launch:
                 self._check_workers()
                 self._worker_pids()
                 self.last_tick = time.monotonic()
-                with contextlib.suppress(Exception):  # the heartbeat the REST API reads
-                    self.control.beat_driver(self.status())
+                self.beat()
                 self.metrics.workers.set(len(self.workers))
                 self.metrics.desired.set(self._desired())
                 time.sleep(TICK_S)
         finally:
             self.state = "draining"
-            with contextlib.suppress(Exception):
-                self.control.beat_driver(self.status())
+            self.beat()
             self.shutdown()
         self.state = "done" if ok else "failed"
         return self.status()
