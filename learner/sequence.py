@@ -55,7 +55,7 @@ class Batch:
     """Shared prefixes (``share_prompts``): [L, K] the row positions each position attends to
     (its path in the prefix tree, root first, itself last), padded with 0."""
     kv_valid: Tensor | None = None
-    """Shared prompts: [L, K] which of ``kv_index`` are real (False on the padding)."""
+    """Shared prefixes: [L, K] which of ``kv_index`` are real (False on the padding)."""
 
     @property
     def response_len(self) -> int:
@@ -251,7 +251,7 @@ def share_prompts(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) 
     # The tree, a depth at a time: a node is a distinct (parent, token) among the sequences
     # still going at that depth. node[b, j]: the node of sequence b's first j + 1 tokens.
     node = np.zeros((bsz, depth), dtype=np.int64)
-    ids, paths = [], []  # per depth: the new nodes' tokens, and their paths [n, j + 1]
+    reps = []  # per depth: a sequence through each new node, in node order
     count = 0
     for j in range(depth):
         going = np.flatnonzero(lens > j)
@@ -259,29 +259,21 @@ def share_prompts(trajectories: Sequence[Trajectory], pad_id: int, eos_id: int) 
         key = (parent << 32) | tokens[going, j]
         uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         node[going, j] = count + inverse
-        ids.append(tokens[going[first], j])
-        new = count + np.arange(uniq.size)
-        if j:
-            paths.append(np.concatenate([node[going[first], :j], new[:, None]], axis=1))
-        else:
-            paths.append(new[:, None])
+        reps.append(going[first])
         count += uniq.size
-    index = np.zeros((count, depth), dtype=np.int64)  # [L, K] each node's path, root first
-    at = 0
-    for j, p in enumerate(paths):
-        index[at : at + p.shape[0], : j + 1] = p
-        at += p.shape[0]
-    levels = np.repeat(np.arange(depth), [p.shape[0] for p in paths])  # each node's depth
+    rep = np.concatenate(reps)  # [L] a sequence through each node
+    levels = np.repeat(np.arange(depth), [r.size for r in reps])  # [L] each node's depth
     valid = np.arange(depth)[None, :] <= levels[:, None]
+    index = np.where(valid, node[rep], 0)  # [L, K] each node's path, root first
     k = np.where(rlens > 0, rlens, 1) if tlen else np.zeros_like(rlens)
     seq = np.repeat(np.arange(bsz), k)  # [N] each kept position's sequence
     t_ = np.arange(seq.size) - np.concatenate([[0], np.cumsum(k)[:-1]])[seq]
     keep = node[seq, plens[seq] - 1 + t_]
     dest = seq * tlen + t_
     return Batch(
-        input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
+        input_ids=torch.from_numpy(tokens[rep, levels])[None],
         attention_mask=None,
-        position_ids=torch.from_numpy(levels.astype(np.int64))[None],
+        position_ids=torch.from_numpy(levels)[None],
         responses=padded.responses,
         mask=padded.mask,
         rollout_logp=padded.rollout_logp,
