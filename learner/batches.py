@@ -16,12 +16,14 @@ among the learner ranks.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from buffer.base import ReplayConsumer, SampledBatch
+from buffer.base import ReplayConsumer, SampledBatch, SampleTimeout
 from buffer.records import RecordLimits, Trajectory
 from reval.config import RunConfig
 
@@ -75,6 +77,27 @@ class BatchSource:
             batch = self.buffer.sample(self.batch_size, timeout)
         self.drawn += 1
         return batch
+
+
+STOP_CHECK_S = 0.25
+"""While it waits for a batch, the learner looks at its stop flag this often."""
+
+
+def draw_within(
+    draw: Callable[[float], SampledBatch], timeout: float, stop: threading.Event
+) -> SampledBatch:
+    """``draw(t)`` (a batch, or SampleTimeout after ``t`` seconds) until a batch comes, in slices
+    of ``STOP_CHECK_S``: SampleTimeout after ``timeout`` seconds, or after the slice in which
+    ``stop`` was set (a SIGTERM on an empty buffer waited out the whole turn before: 5 s, half a
+    ``docker stop``'s grace)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        turn = max(0.0, min(STOP_CHECK_S, deadline - time.monotonic()))
+        try:
+            return draw(turn)
+        except SampleTimeout:
+            if stop.is_set() or time.monotonic() >= deadline:
+                raise
 
 
 def context_limits(limits: RecordLimits, model_config: Any) -> RecordLimits:

@@ -47,7 +47,7 @@ from buffer.metrics import BufferMetrics
 from buffer.prefetch import Prefetcher
 from buffer.records import RecordLimits, Trajectory
 from buffer.redis_layout import RingCorrupt
-from learner.batches import BatchSource, context_limits, split_shares
+from learner.batches import BatchSource, context_limits, draw_within, split_shares
 from learner.checkpoint import Checkpointer, latest_checkpoint
 from learner.export import export_hf
 from learner.parallel import build_models, rank_device, reduce_scalar
@@ -73,8 +73,9 @@ from reval.weights.sender import build_sender
 log = logging.getLogger("reval.learner")
 
 STOP_POLL_S = 5.0
-"""Rank 0 waits for a batch in turns of at most this long: a stop (SIGTERM, Ctrl-C) while the
-buffer is empty is seen within it."""
+"""Rank 0 waits for a batch in turns of at most this long (the other ranks wait in a collective
+meanwhile); the run's control (a REST stop or pause) is read between turns, its stop flag (a
+SIGTERM, Ctrl-C) within them (``learner/batches.py: draw_within``)."""
 
 MAX_FAILED_BATCHES = 3
 """Updates in a row that may raise on their batch (each batch quarantined) before the learner
@@ -404,7 +405,8 @@ class LearnerService(LearnerReporting):
             # timeout (sync.timeout_s) must not run out while the buffer is empty.
             poll = min(self.cfg.buffer.sample_timeout_s, self.cfg.sync.timeout_s / 4, STOP_POLL_S)
             try:
-                batch = prefetch.get(timeout=poll) if prefetch else self.source.next(poll)
+                draw = prefetch.get if prefetch else self.source.next
+                batch = draw_within(draw, poll, self.stop)
                 weights = dict(zip(batch.traj_ids, batch.weights.tolist(), strict=True))
                 shares = split_shares(batch.trajectories, self.world, self.source.on_policy)
                 payload = [[(s, [weights[t.traj_id] for t in s]) for s in shares], None]
